@@ -1,0 +1,74 @@
+"""Settings of each service: pydantic-settings, so every flag has an env twin ``TANDEM_<FLAG>``.
+
+CLI flags are parsed by ``tandem.cli`` and passed as init values, which win over the environment;
+``TARGET_MODEL`` and ``DRAFT_MODEL`` are accepted besides ``TANDEM_TARGET_MODEL`` / ``TANDEM_DRAFT_MODEL``.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem.models import DEFAULT_TARGET
+
+DEFAULT_DRAFT = "ngram"
+DEFAULT_K = 5
+
+PORTS = {
+    "gateway_http": 8000,
+    "gateway_grpc": 50051,
+    "draft_grpc": 50052,
+    "target_grpc": 50053,
+    "draft_metrics": 9052,
+    "target_metrics": 9053,
+}
+
+
+def _model_field(name: str, default: str, description: str):
+    return Field(
+        default,
+        description=description,
+        validation_alias=AliasChoices(name, f"tandem_{name}", name.upper(), f"TANDEM_{name.upper()}"),
+    )
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", populate_by_name=True)
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    log_level: str = Field("info", description="debug, info, warning, error")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    dtype: str = Field("auto", description="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+
+
+class TargetSettings(_Base):
+    target_model: str = _model_field("target_model", DEFAULT_TARGET, "target model SPEC")
+    served_model_name: str | None = Field(None, description="model id (default: from the SPEC)")
+    port: int = Field(PORTS["target_grpc"], description="gRPC port")
+    metrics_port: int = Field(PORTS["target_metrics"], description="Prometheus port (0 = off)")
+    session_ttl_s: float = Field(600.0, description="idle seconds before a session is dropped")
+    max_sessions: int = Field(256, description="sessions held at once; more are refused")
+    max_context_len: int = Field(0, description="tokens per session (0 = the model's limit)")
+
+
+class DraftSettings(_Base):
+    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, "draft SPEC, or 'ngram'")
+    target_address: str = Field(f"127.0.0.1:{PORTS['target_grpc']}", description="target gRPC address")
+    port: int = Field(PORTS["draft_grpc"], description="gRPC port")
+    metrics_port: int = Field(PORTS["draft_metrics"], description="Prometheus port (0 = off)")
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
+    draft_top_k: int = Field(32, ge=1, description="the draft samples from its renormalised top-k")
+    ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
+    ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")
+
+
+class GatewaySettings(_Base):
+    target_model: str = _model_field("target_model", DEFAULT_TARGET, "target SPEC (for its tokenizer)")
+    served_model_name: str | None = Field(None, description="model id (default: from the SPEC)")
+    target_address: str = Field(f"127.0.0.1:{PORTS['target_grpc']}", description="target gRPC address")
+    draft_address: str = Field(f"127.0.0.1:{PORTS['draft_grpc']}", description="draft gRPC address")
+    http_port: int = Field(PORTS["gateway_http"], description="HTTP port (OpenAI API and /metrics)")
+    grpc_port: int = Field(PORTS["gateway_grpc"], description="gRPC port (tandem.v1.GatewayService)")
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
+    max_concurrent_requests: int = Field(64, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")

@@ -1,0 +1,58 @@
+"""What every tandem gRPC server and client shares: health, reflection, channel options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Verdicts with hidden states and prompts of 100k tokens exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def make_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Health:
+    """The grpc.health.v1 servicer. Call ``await not_serving()`` before the server starts and
+    ``await serving()`` once the model is loaded and warmed."""
+
+    def __init__(self, server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.names = ["", *service_names]
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def _set(self, status: int) -> None:
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+    async def serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def not_serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Binds insecurely; returns the real port (useful with port 0 in tests)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return bound

@@ -1,0 +1,85 @@
+"""The Prometheus metrics of DESIGN §3, one definition shared by all three services.
+
+Each service makes one ``Metrics`` on its own registry and updates what it observes: the target
+its verify time, the draft and the gateway the speculation counters, the gateway the latencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    num_drafts: Counter
+    num_draft_tokens: Counter
+    num_accepted_tokens: Counter
+    num_accepted_tokens_per_pos: Counter
+    acceptance_rate: Gauge
+    verify_duration: Histogram
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    session_fallbacks: Counter
+    sessions_active: Gauge
+    requests: Counter
+
+    def record_round(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Counts one speculation round and refreshes the running acceptance rate."""
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(num_draft_tokens)
+        self.num_accepted_tokens.inc(num_accepted)
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
+        drafted = self.num_draft_tokens._value.get()
+        if drafted:
+            self.acceptance_rate.set(self.num_accepted_tokens._value.get() / drafted)
+
+
+def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Metrics:
+    """All DESIGN §3 metrics on a fresh registry (one per service, so tests can make many)."""
+    reg = registry if registry is not None else CollectorRegistry()
+    return Metrics(
+        registry=reg,
+        num_drafts=Counter("tandem_spec_decode_num_drafts", "Speculation rounds (draft blocks verified)", registry=reg),
+        num_draft_tokens=Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=reg),
+        num_accepted_tokens=Counter("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=reg),
+        num_accepted_tokens_per_pos=Counter(
+            "tandem_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the block",
+            ["position"],
+            registry=reg,
+        ),
+        acceptance_rate=Gauge(
+            "tandem_spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start", registry=reg
+        ),
+        verify_duration=Histogram(
+            "tandem_verify_duration_seconds", "Time to verify one draft block", buckets=_LATENCY_BUCKETS, registry=reg
+        ),
+        time_to_first_token=Histogram(
+            "tandem_time_to_first_token_seconds", "Request start to first token", buckets=_LATENCY_BUCKETS, registry=reg
+        ),
+        inter_token_latency=Histogram(
+            "tandem_inter_token_latency_seconds", "Gap between streamed tokens", buckets=_LATENCY_BUCKETS, registry=reg
+        ),
+        e2e_request_latency=Histogram(
+            "tandem_e2e_request_latency_seconds", "Request start to last token", buckets=_E2E_BUCKETS, registry=reg
+        ),
+        session_fallbacks=Counter(
+            "tandem_session_fallbacks", "Sessions switched to autoregressive decoding", ["reason"], registry=reg
+        ),
+        sessions_active=Gauge("tandem_sessions_active", "Sessions in progress", ["mode"], registry=reg),
+        requests=Counter("tandem_requests", "Requests finished, by status", ["status"], registry=reg),
+    )
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> None:
+    """Exposes the registry over HTTP (draft and target); port 0 disables it."""
+    if port:
+        start_http_server(port, addr=host, registry=metrics.registry)

