@@ -96,7 +96,17 @@ def _gguf_hf_dir(path: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """De-quantises a GGUF with transformers and saves it as a safetensors checkpoint."""
+    """De-quantises a GGUF once, even when several processes start at the same time."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").exists():
+            _convert_gguf_unlocked(gguf_path, out)
+
+
+def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
