@@ -72,3 +72,19 @@ class GatewaySettings(_Base):
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
     max_concurrent_requests: int = Field(64, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+
+
+class ServeSettings(_Base):
+    """``tandem serve``: the three services as child processes on one host."""
+
+    target_model: str = _model_field("target_model", DEFAULT_TARGET, "target model SPEC")
+    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, "draft SPEC, or 'ngram'")
+    served_model_name: str | None = Field(None, description="model id (default: from the target SPEC)")
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
+    http_port: int = Field(PORTS["gateway_http"], description="gateway HTTP port (OpenAI API, /metrics)")
+    grpc_port: int = Field(PORTS["gateway_grpc"], description="gateway gRPC port")
+    draft_port: int = Field(PORTS["draft_grpc"], description="draft gRPC port")
+    target_port: int = Field(PORTS["target_grpc"], description="target gRPC port")
+    draft_metrics_port: int = Field(PORTS["draft_metrics"], description="draft Prometheus port")
+    target_metrics_port: int = Field(PORTS["target_metrics"], description="target Prometheus port")
+    ready_timeout_s: float = Field(900.0, description="give up when the stack is not ready by then")

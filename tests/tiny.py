@@ -44,18 +44,27 @@ def make_tiny_model(
     hidden_size: int = 32,
     num_layers: int = 2,
     max_position_embeddings: int = 2048,
+    tokenizer_from: Path | None = None,
+    tokenizer_vocab_size: int = 300,
 ) -> Path:
     """Writes a random-weight causal LM + the shared tiny tokenizer into ``folder``.
 
     ``arch="gemma3"`` gives Gemma 3 layers with a sliding window on all but every third layer,
-    so rollback past the window is exercised with short prompts.
+    so rollback past the window is exercised with short prompts. ``tokenizer_from`` copies another
+    checkpoint's tokenizer instead (e.g. to build a random draft for the real default target).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(folder)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+        tokenizer.save_pretrained(folder)
+    else:
+        tokenizer = make_tokenizer(folder, vocab_size=tokenizer_vocab_size)
     vocab = len(tokenizer)
     common = dict(
         vocab_size=vocab,

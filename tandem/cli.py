@@ -1,0 +1,94 @@
+"""The ``tandem`` command: one sub-command per service, plus ``serve`` (all three) and ``bench``.
+
+Every flag has an env twin ``TANDEM_<FLAG>`` (pydantic-settings); a flag given on the command line
+wins. Flags are generated from the settings classes, so a new setting is a new flag for free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, get_args, get_origin
+
+# No hub access at run time: every model comes from a local folder, a GGUF file or a package.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pydantic_settings import BaseSettings  # noqa: E402
+
+from tandem import config  # noqa: E402
+
+
+def _flag_type(annotation: Any) -> Any:
+    if get_origin(annotation) is not None:  # Optional[X] / X | None
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = args[0] if args else str
+    return annotation if annotation in (int, float, str, bool) else str
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
+    """One ``--flag-name`` per settings field; absent flags leave the env / default in charge."""
+    for name, field in settings_cls.model_fields.items():
+        kind = _flag_type(field.annotation)
+        default = field.default
+        help_text = f"{field.description or ''} (env TANDEM_{name.upper()}; default {default!r})"
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
+
+
+def settings_from(args: argparse.Namespace, settings_cls: type[BaseSettings]) -> Any:
+    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields}
+    return settings_cls(**given)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        "serve": (config.ServeSettings, "run target, draft and gateway as three processes on loopback"),
+        "target": (config.TargetSettings, "run the target service (verifies draft blocks)"),
+        "draft": (config.DraftSettings, "run the draft service (proposes blocks, runs the loop)"),
+        "gateway": (config.GatewaySettings, "run the gateway (OpenAI HTTP API and gRPC)"),
+    }
+    for name, (settings_cls, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_settings_flags(p, settings_cls)
+        p.set_defaults(settings_cls=settings_cls)
+    bench = sub.add_parser("bench", help="measure speculative against autoregressive decoding")
+    from tandem import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    bench.set_defaults(settings_cls=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from tandem import bench as bench_module
+
+        return bench_module.main(args)
+    settings = settings_from(args, args.settings_cls)
+    from tandem.logs import setup_logging
+
+    setup_logging(args.command, settings.log_level)
+    if args.command == "serve":
+        from tandem.supervisor import serve
+
+        return serve(settings)
+    if args.command == "target":
+        from target_service.main import run
+    elif args.command == "draft":
+        from draft_service.main import run
+    else:
+        from gateway.main import run
+    run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The committed stubs in tandem/v1 are exactly what ``python -m tandem.protogen`` makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem import protogen
+
+
+def test_stubs_match_protos(tmp_path: Path) -> None:
+    generated = protogen.generate(tmp_path)
+    committed_dir = protogen.REPO_ROOT / "tandem" / "v1"
+    names = sorted(p.name for p in generated)
+    assert names == sorted(p.name for p in committed_dir.iterdir() if p.is_file()), "stub files differ; run python -m tandem.protogen"
+    for path in generated:
+        committed = (committed_dir / path.name).read_text()
+        assert committed == path.read_text(), f"{path.name} drifted from the protos; run python -m tandem.protogen"
+
+
+def test_buf_style_names() -> None:
+    """Versioned package, XxxService, XxxRequest/XxxResponse per RPC, enum zero = *_UNSPECIFIED."""
+    from tandem.v1 import common_pb2, draft_pb2, gateway_pb2, target_pb2
+
+    for module in (common_pb2, draft_pb2, gateway_pb2, target_pb2):
+        descriptor = module.DESCRIPTOR
+        assert descriptor.package == "tandem.v1"
+        for service in descriptor.services_by_name.values():
+            assert service.name.endswith("Service")
+            for method in service.methods:
+                assert method.input_type.name in (f"{method.name}Request", f"{service.name}{method.name}Request")
+                assert method.output_type.name in (f"{method.name}Response", f"{service.name}{method.name}Response")
+        for enum in descriptor.enum_types_by_name.values():
+            assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED")

@@ -1,0 +1,145 @@
+"""Whole stack, real processes: ``tandem serve`` with tiny random models on free ports.
+
+The target and the draft have different random weights (low acceptance, many rejections), so
+rollback and recovered tokens are exercised on every round.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stack import metric_value, running_stack
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", '{"name": "tandem", "items": ['] 
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir, tiny_draft_dir):
+    with running_stack(str(tiny_dir), str(tiny_draft_dir), k=4) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+    def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt_ids):].tolist()
+
+    return tokenizer, greedy
+
+
+def grpc_generate(stack, **fields) -> tuple[list[int], str, list]:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        chunks = list(stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(**fields), timeout=120))
+    ids = [t for c in chunks for t in c.token_ids]
+    return ids, "".join(c.text for c in chunks), chunks
+
+
+@pytest.mark.parametrize("speculation", [common_pb2.SPECULATION_MODE_ON, common_pb2.SPECULATION_MODE_OFF])
+def test_grpc_greedy_equals_target_generate(stack, reference, speculation) -> None:
+    tokenizer, greedy = reference
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer(prompt).input_ids
+        expected = greedy(prompt_ids, 40)
+        ids, text, chunks = grpc_generate(
+            stack, prompt_token_ids=prompt_ids, max_tokens=40, temperature=0.0, speculation=speculation
+        )
+        assert ids == expected, prompt
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == len(expected)
+        if speculation == common_pb2.SPECULATION_MODE_ON:
+            assert usage.speculative_decoding.rounds > 0
+            assert usage.speculative_decoding.mode == "speculative"
+        else:
+            assert usage.speculative_decoding.mode == "autoregressive"
+
+
+def test_openai_sdk_stream_and_non_stream(stack, reference) -> None:
+    tokenizer, greedy = reference
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = PROMPTS[0]
+    expected_text = tokenizer.decode(greedy(tokenizer(prompt).input_ids, 24), skip_special_tokens=True)
+
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    assert done.choices[0].text == expected_text
+    spec = done.usage.model_extra["speculative_decoding"]
+    assert spec["rounds"] > 0 and 0.0 <= spec["acceptance_rate"] <= 1.0
+
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text
+    assert chunks[-1].usage.completion_tokens == 24 or chunks[-1].usage.completion_tokens <= 24
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True,
+        extra_body={"speculation": "on", "num_speculative_tokens": 3},
+    )
+    pieces = list(chat)
+    assert any(p.choices and p.choices[0].finish_reason for p in pieces)
+
+
+def test_health_and_reflection_on_all_three(stack) -> None:
+    for port, service in ((stack.target_port, "tandem.v1.TargetService"), (stack.draft_port, "tandem.v1.DraftService"),
+                          (stack.grpc_port, "tandem.v1.GatewayService")):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]), timeout=5))
+            assert service in [s.name for s in reply.list_services_response.service]
+    assert httpx.get(f"{stack.base_url}/health", timeout=5).status_code == 200
+
+
+def test_client_disconnect_frees_sessions_everywhere(stack) -> None:
+    body = {"model": "ignored-by-check", "prompt": "def fibonacci(n):", "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    body["model"] = httpx.get(f"{stack.base_url}/v1/models").json()["data"][0]["id"]
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{stack.base_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while True:
+        gateway_active = metric_value(stack.metrics(), "tandem_sessions_active")
+        target_active = metric_value(stack.metrics(stack.target_metrics_port), "tandem_sessions_active")
+        draft_active = metric_value(stack.metrics(stack.draft_metrics_port), "tandem_sessions_active")
+        if gateway_active == target_active == draft_active == 0:
+            break
+        assert time.monotonic() < deadline, (gateway_active, target_active, draft_active)
+        time.sleep(0.2)
+    # And the stack keeps serving.
+    ids, _, _ = grpc_generate(stack, prompt="hello", max_tokens=4, temperature=0.0)
+    assert 1 <= len(ids) <= 4
+
+
+def test_tokenizer_mismatch_stops_the_stack_with_a_clear_error(tiny_dir, tmp_path) -> None:
+    from tiny import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other-tokenizer", seed=5, tokenizer_vocab_size=280)
+    with pytest.raises(RuntimeError) as failure:
+        with running_stack(str(tiny_dir), str(other), ready_timeout_s=120):
+            pass
+    message = str(failure.value)
+    assert "tokenizer" in message.lower() and str(other.name) in message and str(tiny_dir.name) in message
