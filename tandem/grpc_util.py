@@ -15,11 +15,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Reconnect to a restarted upstream within seconds, not gRPC's default of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
+# A second server on a busy port must fail, not silently share it (SO_REUSEPORT is on by default).
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 def make_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
@@ -52,7 +60,10 @@ def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Binds insecurely; returns the real port (useful with port 0 in tests)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as error:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}: {error}") from error
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound

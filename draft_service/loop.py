@@ -1,0 +1,183 @@
+"""The speculation loop of one session, free of sockets: propose, verify, roll back, repeat.
+
+It talks to the target through ``BlockVerifier`` (the gRPC Verify stream in production, an
+in-memory reference target in tests) and to the proposer through ``run_model``, which runs model
+work on the draft's model thread. The loop is not pipelined: block n+1 is proposed after verdict n,
+so its blocks never assume uncommitted tokens and a STALE verdict signals a bug somewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from draft_service.errors import DivergedError, ProtocolError
+from draft_service.proposers.base import ProposerSession
+from draft_service.types import DraftBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
+
+# Runs fn(*args) on the draft's model thread (``ModelWorker.run``).
+RunModel = Callable[..., Awaitable[Any]]
+
+# Consecutive STALE verdicts at an unchanged committed length before the loop gives up.
+MAX_STALE_RETRIES = 3
+
+
+class BlockVerifier(Protocol):
+    async def verify(self, block: DraftBlock) -> Verdict:
+        """Sends one block and returns its verdict."""
+        ...
+
+
+class SpeculationLoop:
+    """Runs one session's rounds and yields what each committed.
+
+    The streamed tokens are exactly the target's committed tokens, in order: the loop only ever
+    yields ``committed_token_ids`` of OK verdicts for blocks extending its current view.
+    """
+
+    def __init__(
+        self,
+        spec: SessionSpec,
+        proposer: ProposerSession,
+        verifier: BlockVerifier,
+        run_model: RunModel,
+        *,
+        max_context_len: int = 0,
+        tokenizer_fingerprint: str = "",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._spec = spec
+        self._proposer = proposer
+        self._verifier = verifier
+        self._run_model = run_model
+        self._max_context_len = max_context_len
+        self._fingerprint = tokenizer_fingerprint
+        self._clock = clock
+        self._committed_len = len(spec.token_ids)  # of the sequence as the target has it
+        self._streamed = 0
+        self._next_block_id = 0
+        self._stale_in_a_row = 0
+        # The proposer learns a verdict lazily, in the same model-thread call as the next proposal,
+        # so the verdict's tokens are streamed without waiting for a thread hop.
+        self._pending_commit: tuple[int, tuple[int, ...]] | None = None
+
+    async def rounds(self) -> AsyncIterator[RoundResult]:
+        while not self._call_budget_spent():
+            started = self._clock()
+            base_len = self._committed_len
+            proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
+            self._pending_commit = (base_len, ())  # a refused block still has to be rolled back
+            verdict = await self._verify(base_len, proposal)
+            if verdict.status is VerdictStatus.STALE:
+                self._on_stale(verdict)
+                continue
+            self._stale_in_a_row = 0
+            if verdict.status is VerdictStatus.FINISHED:
+                yield RoundResult(
+                    token_ids=(),
+                    committed_len=verdict.committed_len or base_len,
+                    finish_reason=verdict.finish_reason,
+                    num_draft_tokens=0,
+                    num_accepted=0,
+                    round_seconds=self._clock() - started,
+                    verify_seconds=verdict.verify_seconds,
+                    verified=False,
+                )
+                return
+            committed = self._check_ok(base_len, proposal, verdict)
+            self._pending_commit = (base_len, committed)
+            self._committed_len += len(committed)
+            self._streamed += len(committed)
+            yield RoundResult(
+                token_ids=committed,
+                committed_len=verdict.committed_len,
+                finish_reason=verdict.finish_reason,
+                num_draft_tokens=len(proposal.token_ids),
+                num_accepted=verdict.num_accepted,
+                round_seconds=self._clock() - started,
+                verify_seconds=verdict.verify_seconds,
+            )
+            if verdict.finish_reason is not FinishReason.NONE:
+                return
+
+    def _block_size(self) -> int:
+        """K, cut so the verdict cannot commit more than any known budget allows.
+
+        A block of k draft tokens commits at most k + 1 tokens (the recovered or bonus token), so
+        with b tokens left the block needs at most b - 1 drafts; drafting more wastes draft and
+        target compute on tokens the target would truncate.
+        """
+        budgets = []
+        if self._spec.session_max_new_tokens > 0:
+            generated = self._committed_len - self._spec.prompt_len
+            budgets.append(self._spec.session_max_new_tokens - generated)
+        if self._spec.max_new_tokens > 0:
+            budgets.append(self._spec.max_new_tokens - self._streamed)
+        if self._max_context_len > 0:
+            budgets.append(self._max_context_len - self._committed_len)
+        k = self._spec.num_speculative_tokens
+        return max(0, min(k, min(budgets) - 1)) if budgets else k
+
+    def _call_budget_spent(self) -> bool:
+        return 0 < self._spec.max_new_tokens <= self._streamed
+
+    def _commit_and_propose(self, commit: tuple[int, Sequence[int]] | None, k: int) -> Proposal:
+        """Runs on the model thread: apply the last verdict, then draft up to k tokens."""
+        if commit is not None:
+            self._proposer.commit(*commit)
+        proposal = self._proposer.propose(k) if k > 0 else Proposal()
+        if len(proposal.token_ids) > k:
+            raise RuntimeError(f"proposer drafted {len(proposal.token_ids)} tokens, asked for at most {k}")
+        return proposal
+
+    async def _verify(self, base_len: int, proposal: Proposal) -> Verdict:
+        block = DraftBlock(
+            session_id=self._spec.session_id,
+            block_id=self._next_block_id,
+            base_len=base_len,
+            proposal=proposal,
+            tokenizer_fingerprint=self._fingerprint,
+        )
+        self._next_block_id += 1
+        verdict = await self._verifier.verify(block)
+        if verdict.block_id != block.block_id:
+            raise ProtocolError(f"verdict for block {verdict.block_id} arrived, block {block.block_id} expected")
+        return verdict
+
+    def _check_ok(self, base_len: int, proposal: Proposal, verdict: Verdict) -> tuple[int, ...]:
+        """The committed tokens of an OK verdict, after checking it is consistent with the block."""
+        committed = verdict.committed_token_ids
+        accepted = verdict.num_accepted
+        if verdict.committed_len != base_len + len(committed):
+            raise ProtocolError(
+                f"verdict says committed_len {verdict.committed_len} after committing {len(committed)} "
+                f"tokens onto {base_len}"
+            )
+        if not 0 <= accepted <= min(len(proposal.token_ids), len(committed)) or (
+            committed[:accepted] != proposal.token_ids[:accepted]
+        ):
+            raise ProtocolError(f"verdict accepts {accepted} tokens that are not a prefix of the block")
+        if not committed and verdict.finish_reason is FinishReason.NONE:
+            raise ProtocolError("verdict committed nothing and did not finish the session")
+        return committed
+
+    def _on_stale(self, verdict: Verdict) -> None:
+        """Retries a refused block when the lengths agree (a transient refusal); otherwise stops.
+
+        When the target's committed length differs from the draft's, the tokens in between are
+        unknown to one side (the verdict carries none), so no block could be built that the target
+        would accept without guessing. Stopping is lossless: only committed tokens were streamed.
+        """
+        self._stale_in_a_row += 1
+        session = self._spec.session_id
+        if verdict.committed_len != self._committed_len:
+            raise DivergedError(
+                f"session {session!r}: the target has {verdict.committed_len} committed tokens but the "
+                f"draft has {self._committed_len}; continue the session with the target's Generate"
+            )
+        if self._stale_in_a_row > MAX_STALE_RETRIES:
+            raise DivergedError(
+                f"session {session!r}: the target refused {self._stale_in_a_row} blocks in a row as stale "
+                f"at committed length {self._committed_len}"
+            )

@@ -1,0 +1,171 @@
+"""Starting and stopping the draft service: ``run`` for the ``tandem draft`` process,
+``start_draft`` for in-process use (tests, embedding).
+
+Start-up order: bind gRPC with health NOT_SERVING, wait until the target is SERVING (so draft and
+target may start in any order), read its Info, build the proposer, refuse a draft whose tokenizer
+differs from the target's, warm the proposer up, then report SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from draft_service.engine import DraftEngine
+from draft_service.errors import TokenizerMismatchError
+from draft_service.proposers import Proposer, make_proposer
+from draft_service.server import SERVICE_NAME, DraftServicer
+from draft_service.target_client import TargetClient
+from draft_service.types import TargetInfo
+from draft_service.worker import ModelWorker
+from tandem.config import DEFAULT_K, DraftSettings
+from tandem.grpc_util import Health, bind, enable_reflection, make_server
+from tandem.logs import setup_logging
+from tandem.metrics import Metrics, make_metrics, serve_metrics
+from tandem.models import ModelSpecError
+from tandem.v1 import draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Builds the proposer once the target's Info is known (runs on the model thread).
+ProposerFactory = Callable[[TargetInfo], Proposer]
+
+
+@dataclass
+class RunningDraft:
+    """A started draft service; ``stop()`` shuts it down."""
+
+    port: int
+    server: grpc.aio.Server
+    engine: DraftEngine
+    target: TargetClient
+    worker: ModelWorker
+    health: Health
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.not_serving()
+        await self.server.stop(grace_s)  # cancels running Speculate calls after the grace period
+        await self.engine.aclose()  # lets the releases of cancelled sessions reach the target
+        await self.target.close()
+        await asyncio.to_thread(self.worker.shutdown)
+
+
+def check_tokenizers(proposer: Proposer, target: TargetInfo) -> None:
+    """Refuses a draft that would exchange token ids with a target of another tokenizer."""
+    draft_fingerprint = proposer.tokenizer_fingerprint
+    if draft_fingerprint and draft_fingerprint != target.tokenizer_fingerprint:
+        raise TokenizerMismatchError(
+            f"draft model {proposer.model_name!r} (tokenizer fingerprint {draft_fingerprint}) and target model "
+            f"{target.model_name!r} (tokenizer fingerprint {target.tokenizer_fingerprint or 'none'}) do not share "
+            f"a tokenizer; use a draft model built with the target's tokenizer, or the ngram draft"
+        )
+
+
+async def start_draft(
+    proposer_factory: ProposerFactory,
+    target_address: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    num_speculative_tokens: int = DEFAULT_K,
+    metrics: Metrics | None = None,
+    target_wait_s: float | None = 60.0,
+) -> RunningDraft:
+    """Starts the service in the running event loop and returns once it is SERVING.
+
+    Raises TokenizerMismatchError, TargetUnavailableError (after ``target_wait_s``; None waits
+    forever) or the proposer's loading error, after stopping what it had started.
+    """
+    server = make_server()
+    servicer = DraftServicer()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    health = Health(server, [SERVICE_NAME])
+    enable_reflection(server, [SERVICE_NAME])
+    bound_port = bind(server, host, port)
+    await health.not_serving()
+    await server.start()
+    target = TargetClient(target_address)
+    worker = ModelWorker()
+    try:
+        await target.wait_until_serving(target_wait_s)
+        target_info = await target.info()
+        proposer = await worker.run(proposer_factory, target_info)
+        check_tokenizers(proposer, target_info)
+        await worker.run(proposer.warm_up)
+        engine = DraftEngine(
+            proposer,
+            target,
+            target_info,
+            worker,
+            metrics if metrics is not None else make_metrics("draft"),
+            default_k=num_speculative_tokens,
+        )
+        servicer.attach(engine)
+        await health.serving()
+    except BaseException:
+        await server.stop(None)
+        await target.close()
+        worker.shutdown(wait=False)
+        raise
+    log.info(
+        "draft service (%s%s) serving on %s:%d, target %r at %s",
+        proposer.kind,
+        f" {proposer.model_name}" if proposer.model_name else "",
+        host,
+        bound_port,
+        target_info.model_name,
+        target_address,
+    )
+    return RunningDraft(bound_port, server, engine, target, worker, health)
+
+
+def run(settings: DraftSettings) -> None:
+    """Runs the draft service until SIGINT or SIGTERM (``tandem draft``). Blocking.
+
+    Waits for the target as long as it takes. A draft that cannot serve this target (tokenizer
+    mismatch, a SPEC naming no model) exits with SystemExit and a one-line reason, not a traceback.
+    """
+    if not logging.getLogger().handlers:  # ``tandem draft`` has set it up already
+        setup_logging("draft", settings.log_level)
+    try:
+        asyncio.run(_serve_until_signalled(settings))
+    except (TokenizerMismatchError, ModelSpecError) as exc:
+        raise SystemExit(f"tandem draft: {exc}") from exc
+
+
+async def _serve_until_signalled(settings: DraftSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    metrics = make_metrics("draft")
+    serve_metrics(metrics, settings.host, settings.metrics_port)
+    starting = asyncio.create_task(
+        start_draft(
+            functools.partial(make_proposer, settings),
+            settings.target_address,
+            host=settings.host,
+            port=settings.port,
+            num_speculative_tokens=settings.num_speculative_tokens,
+            metrics=metrics,
+            target_wait_s=None,
+        )
+    )
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stopping before the draft service was ready")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return
+    stopping.cancel()
+    running = starting.result()  # raises what stopped the start-up
+    await stop.wait()
+    log.info("stopping the draft service")
+    await running.stop()

@@ -1,0 +1,69 @@
+"""The proposer interface: what the speculation loop needs from a drafter.
+
+A ``Proposer`` is the service-wide part (a loaded model, settings); it opens one
+``ProposerSession`` per Speculate call, which owns that session's state (a KV cache, an n-gram
+view of the tokens) and keeps it equal to the target's committed sequence. Sessions are only ever
+touched from the draft's single model thread, so they need no locking.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from draft_service.types import Proposal, SamplingConfig
+
+# Small ids exist in every vocabulary; enough tokens to exercise a cache and an n-gram match.
+_WARMUP_TOKENS = (1, 2, 3, 4, 1, 2, 3)
+
+
+class ProposerSession(ABC):
+    """One session's drafting state."""
+
+    @abstractmethod
+    def propose(self, max_tokens: int) -> Proposal:
+        """Drafts up to ``max_tokens`` tokens continuing the committed sequence (may be fewer)."""
+
+    @abstractmethod
+    def commit(self, base_len: int, token_ids: Sequence[int]) -> None:
+        """The committed sequence is now ``committed[:base_len] + token_ids``.
+
+        Called after every verdict: rolls back whatever the last proposal assumed beyond what the
+        target accepted, then takes the newly committed tokens.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Frees the session's state early (KV cache tensors) instead of waiting for the GC."""
+
+
+class Proposer(ABC):
+    """A drafter shared by all sessions of the service."""
+
+    #: "hf", "ngram", ... (DraftService.Info.proposer)
+    kind: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The draft model's name; empty for model-free proposers."""
+        return ""
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """``tandem.models.tokenizer_fingerprint`` of the draft's tokenizer; empty when the
+        proposer works on token ids of any tokenizer."""
+        return ""
+
+    @abstractmethod
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> ProposerSession:
+        """Opens drafting state for a committed sequence (cheap: heavy work happens in propose)."""
+
+    def warm_up(self) -> None:
+        """Runs one short session so lazy initialisation is paid before health says SERVING."""
+        session = self.new_session(_WARMUP_TOKENS, SamplingConfig())
+        try:
+            proposal = session.propose(4)
+            session.commit(len(_WARMUP_TOKENS), (*proposal.token_ids[:1], _WARMUP_TOKENS[0]))
+            session.propose(4)
+        finally:
+            session.close()

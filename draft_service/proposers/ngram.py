@@ -1,0 +1,76 @@
+"""Prompt lookup (``ngram``): drafts by copying what followed an earlier occurrence of the suffix.
+
+No model and no tokenizer: it works on token ids, so it pairs with any target. It pays off where
+the output repeats the input (code edits, extraction, quoting). Its proposals are deterministic,
+so blocks carry no q (the target treats q as one-hot), which keeps sampling exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from draft_service.proposers.base import Proposer, ProposerSession
+from draft_service.types import Proposal, SamplingConfig
+
+
+def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int | None:
+    """Where the copied continuation starts, or None when no suffix n-gram recurs.
+
+    Tries the longest suffix first (n = ngram_max down to ngram_min) and, for that n, the most
+    recent earlier occurrence: longer and more recent matches predict the continuation better.
+    tokens: [seq] int64.
+    """
+    seq = tokens.shape[0]
+    for n in range(min(ngram_max, seq - 1), ngram_min - 1, -1):
+        suffix = tokens[seq - n :]  # [n]
+        # Windows of tokens[:-1] start at 0 .. seq-1-n: every occurrence except the suffix itself,
+        # and each is followed by at least one token.
+        windows = sliding_window_view(tokens[:-1], n)  # [seq - n, n]
+        matches = np.flatnonzero((windows == suffix).all(axis=1))
+        if matches.size:
+            return int(matches[-1]) + n
+    return None
+
+
+class NgramSession(ProposerSession):
+    def __init__(self, token_ids: Sequence[int], ngram_max: int, ngram_min: int) -> None:
+        self._tokens = np.asarray(token_ids, dtype=np.int64)  # [seq] the committed sequence
+        self._ngram_max = ngram_max
+        self._ngram_min = ngram_min
+
+    def propose(self, max_tokens: int) -> Proposal:
+        if max_tokens <= 0:
+            return Proposal()
+        start = find_continuation(self._tokens, self._ngram_max, self._ngram_min)
+        if start is None:
+            # No draft: the round still commits the target's next token, like a Generate step.
+            return Proposal()
+        # The copied span may run into the end of the sequence (the match overlaps the suffix, as
+        # in repetitive text); it then continues with the tokens it proposes itself, i.e. the
+        # span repeats with period len - start.
+        continuation = np.resize(self._tokens[start:], max_tokens)  # [max_tokens]
+        return Proposal(tuple(int(t) for t in continuation))
+
+    def commit(self, base_len: int, token_ids: Sequence[int]) -> None:
+        if not 0 <= base_len <= self._tokens.shape[0]:
+            raise ValueError(f"base_len {base_len} outside the committed sequence of {self._tokens.shape[0]}")
+        self._tokens = np.concatenate([self._tokens[:base_len], np.asarray(token_ids, dtype=np.int64)])
+
+    def close(self) -> None:
+        self._tokens = np.zeros(0, dtype=np.int64)
+
+
+class NgramProposer(Proposer):
+    kind = "ngram"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> NgramSession:
+        return NgramSession(token_ids, self.ngram_max, self.ngram_min)

@@ -1,0 +1,94 @@
+"""The draft's gRPC client of the target: health wait, Info, Release, and per-session Verify streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_service import wire
+from draft_service.errors import ProtocolError, TargetUnavailableError
+from draft_service.types import DraftBlock, TargetInfo, Verdict
+from tandem.grpc_util import insecure_channel
+from tandem.v1 import target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class GrpcVerifyStream:
+    """One session's bidirectional Verify call: a block out, its verdict back, one at a time."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, close_timeout_s: float = 5.0) -> None:
+        self._call = call
+        self._close_timeout_s = close_timeout_s
+
+    async def verify(self, block: DraftBlock) -> Verdict:
+        # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here,
+        # with the target's code and message, which the server passes on to its caller.
+        await self._call.write(wire.verify_request(block))
+        response = await self._call.read()
+        if response is grpc.aio.EOF:
+            raise ProtocolError(f"the target ended the Verify stream without a verdict for block {block.block_id}")
+        return wire.verdict_from_response(response)
+
+    async def close(self) -> None:
+        try:
+            await self._call.done_writing()
+            await asyncio.wait_for(self._call.code(), self._close_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+            log.debug("Verify stream did not end cleanly (%r); cancelling it", exc)
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class TargetClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = insecure_channel(address)
+        self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def wait_until_serving(
+        self, timeout_s: float | None = None, poll_s: float = 0.25, log_every_s: float = 10.0
+    ) -> None:
+        """Polls the target's gRPC health until SERVING, so draft and target may start in any order.
+
+        ``timeout_s`` None waits forever (the process is stopped by a signal instead).
+        """
+        started = time.monotonic()
+        last_log = started
+        while True:
+            try:
+                reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                state = exc.code().name
+            now = time.monotonic()
+            if timeout_s is not None and now - started >= timeout_s:
+                raise TargetUnavailableError(f"target at {self.address} is not SERVING after {timeout_s:.0f}s ({state})")
+            if now - last_log >= log_every_s:
+                log.info("waiting for the target at %s to be SERVING (%s)", self.address, state)
+                last_log = now
+            await asyncio.sleep(poll_s)
+
+    async def info(self) -> TargetInfo:
+        reply = await self._stub.Info(target_pb2.TargetServiceInfoRequest(), timeout=30.0)
+        return wire.target_info_from_response(reply)
+
+    async def release(self, session_id: str) -> bool:
+        reply = await self._stub.Release(target_pb2.ReleaseRequest(session_id=session_id))
+        return reply.released
+
+    def open_verify_stream(self, session_id: str) -> GrpcVerifyStream:
+        # The session id travels in every block; the metadata only labels the call for tracing.
+        return GrpcVerifyStream(self._stub.Verify(metadata=(("tandem-session-id", session_id),)))
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,129 @@
+"""Plain dataclasses the draft service works with; protobuf appears only in ``wire.py``.
+
+Keeping the loop, the proposers and the engine free of generated message classes lets tests drive
+them with ordinary values and keeps wire details (field presence, enum numbering) in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a session stopped growing (mirrors ``tandem.v1.FinishReason``)."""
+
+    NONE = "none"  # not finished yet
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+class VerdictStatus(enum.Enum):
+    """What the target did with a block (mirrors ``tandem.v1.VerdictStatus``)."""
+
+    OK = "ok"
+    STALE = "stale"  # the block did not extend the committed sequence; nothing changed
+    FINISHED = "finished"  # the session had already finished; nothing changed
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The session's sampling parameters; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0  # 0 or 1: no nucleus truncation
+    top_k: int = 0  # 0: no top-k truncation
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A proposal distribution q at one draft position, zero outside ``token_ids``."""
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one block, and q per position when the proposer sampled them.
+
+    ``probs`` is empty for deterministic proposals (greedy or prompt lookup): the target then
+    treats q as one-hot on the draft token.
+    """
+
+    token_ids: tuple[int, ...] = ()
+    probs: tuple[SparseDist, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.probs and len(self.probs) != len(self.token_ids):
+            raise ValueError(f"{len(self.probs)} distributions for {len(self.token_ids)} draft tokens")
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """A validated Speculate request: what one speculation loop runs."""
+
+    session_id: str
+    token_ids: tuple[int, ...]  # the committed sequence: prompt + tokens generated so far
+    prompt_len: int
+    sampling: SamplingConfig
+    num_speculative_tokens: int  # K, already resolved from the service default
+    session_max_new_tokens: int = 0  # the target session's budget incl. the prefill token; 0 = none
+    max_new_tokens: int = 0  # tokens this call may stream; 0 = until the session finishes
+    tokenizer_fingerprint: str = ""  # the caller's; empty = not checked
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One VerifyRequest: draft tokens extending ``committed[:base_len]`` (not pipelined, so no
+    assumed tokens)."""
+
+    session_id: str
+    block_id: int
+    base_len: int
+    proposal: Proposal
+    tokenizer_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One VerifyResponse."""
+
+    block_id: int
+    status: VerdictStatus
+    num_accepted: int = 0
+    committed_token_ids: tuple[int, ...] = ()  # accepted + one recovered or bonus token
+    committed_len: int = 0  # after this verdict (STALE: the target's current length)
+    finish_reason: FinishReason = FinishReason.NONE
+    verify_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one speculation round streams to the caller (one SpeculateResponse)."""
+
+    token_ids: tuple[int, ...]
+    committed_len: int
+    finish_reason: FinishReason
+    num_draft_tokens: int
+    num_accepted: int
+    round_seconds: float
+    verify_seconds: float
+    verified: bool = True  # False for the closing result of a FINISHED verdict (no block verified)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The facts about the target the draft relies on (from ``TargetService.Info``)."""
+
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context_len: int = 0  # 0 = unknown
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

@@ -1,0 +1,51 @@
+"""Checks a Speculate request before any state is created, so bad input costs nothing and gets
+one clear INVALID_ARGUMENT message naming the field."""
+
+from __future__ import annotations
+
+import math
+
+from draft_service.errors import InvalidRequestError
+from draft_service.types import SessionSpec, TargetInfo
+
+MAX_SPECULATIVE_TOKENS = 64
+MAX_SESSION_ID_LEN = 256
+
+
+def validate_spec(spec: SessionSpec, target: TargetInfo) -> None:
+    """Raises InvalidRequestError for the first problem found."""
+    problem = _first_problem(spec, target)
+    if problem:
+        raise InvalidRequestError(problem)
+
+
+def _first_problem(spec: SessionSpec, target: TargetInfo) -> str | None:
+    if not spec.session_id:
+        return "session_id must not be empty"
+    if len(spec.session_id) > MAX_SESSION_ID_LEN:
+        return f"session_id is longer than {MAX_SESSION_ID_LEN} characters"
+    if not spec.token_ids:
+        return "token_ids must not be empty (the prompt and the tokens committed so far)"
+    low, high = min(spec.token_ids), max(spec.token_ids)
+    if low < 0 or (target.vocab_size and high >= target.vocab_size):
+        bad = low if low < 0 else high
+        return f"token_ids contain {bad}, outside the target vocabulary [0, {target.vocab_size})"
+    if not 1 <= spec.prompt_len <= len(spec.token_ids):
+        return f"prompt_len must be in [1, {len(spec.token_ids)}] (len(token_ids)), got {spec.prompt_len}"
+    if not 1 <= spec.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        return (
+            f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}] (0 = the service default), "
+            f"got {spec.num_speculative_tokens}"
+        )
+    sampling = spec.sampling
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {sampling.temperature}"
+    if not math.isfinite(sampling.top_p) or not 0 <= sampling.top_p <= 1:
+        return f"top_p must be in [0, 1] (0 or 1 = no truncation), got {sampling.top_p}"
+    if sampling.top_k < 0:
+        return f"top_k must be >= 0 (0 = no truncation), got {sampling.top_k}"
+    if spec.session_max_new_tokens < 0:
+        return f"params.max_new_tokens must be >= 0, got {spec.session_max_new_tokens}"
+    if spec.max_new_tokens < 0:
+        return f"max_new_tokens must be >= 0 (0 = until the session finishes), got {spec.max_new_tokens}"
+    return None

@@ -1,0 +1,94 @@
+"""Turning chat messages into prompt tokens, with a plain fallback for models without a template.
+
+A tokenizer that ships a chat template (``tokenizer.chat_template``) is rendered with it, as
+transformers and vLLM do. A base model such as the default ``gemma-3-270m`` has none, so the
+gateway uses this documented **fallback template**: a plain transcript, one paragraph per message,
+each introduced by its capitalised role, ending with an open ``Assistant:`` turn::
+
+    <bos>System: You are terse.
+
+    User: Say hello.
+
+    Assistant:
+
+A base model continues such a transcript naturally, and would go on to write the next
+``User:`` turn itself; so the fallback also contributes the stop string ``"\\nUser:"``, which ends
+the assistant's turn there (the stop string is not part of the returned text).
+
+Independently of the template, when the vocabulary has an end-of-turn token (Gemma's
+``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``, Phi's ``<|end|>``), chat
+requests stop on it too: instruction-tuned models end their answer with it rather than with EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+FALLBACK_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+FALLBACK_STOP_STRINGS = ("\nUser:",)
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (e.g. the model's template rejects their order)."""
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How one tokenizer turns a conversation into prompt token ids."""
+
+    tokenizer: Any
+    # None means the tokenizer's own template.
+    template: str | None
+    stop_strings: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> ChatFormat:
+        own = getattr(tokenizer, "chat_template", None)
+        return cls(
+            tokenizer=tokenizer,
+            template=None if own else FALLBACK_TEMPLATE,
+            stop_strings=() if own else FALLBACK_STOP_STRINGS,
+            stop_token_ids=end_of_turn_ids(tokenizer),
+        )
+
+    @property
+    def uses_fallback(self) -> bool:
+        return self.template is not None
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text, ending with an open assistant turn; it carries its own BOS."""
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.template, add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
+
+    def token_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        # The rendered text already holds BOS (templates write it), so add no special tokens.
+        return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids of the known end-of-turn tokens that this vocabulary has as single tokens."""
+    vocab = tokenizer.get_vocab()
+    return tuple(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)

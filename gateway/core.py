@@ -1,0 +1,110 @@
+"""The protocol-independent gateway that the HTTP app and the gRPC server both wire to.
+
+It owns what requests share (served model, validator, admission control, upstream clients,
+metrics, health monitor) and turns client fields into a ready-to-start
+:class:`gateway.generation.Generation`. Requests refused before any session exists are counted
+here in ``tandem_requests_total{status}`` as ``invalid`` or ``rejected`` (overload, shutdown); the others are counted
+by their generation as ``stop``, ``length``, ``error`` or ``abort`` (the client went away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.admission import AdmissionControl
+from gateway.errors import InvalidRequest, Overloaded, ShuttingDown
+from gateway.generation import Generation, GenerationDeps
+from gateway.monitor import UpstreamMonitor
+from gateway.served_model import ServedModel
+from gateway.validation import RequestFields, RequestValidator
+from tandem.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class GatewayInfo:
+    model: str
+    draft: str  # the draft model, or the proposer for model-free drafts; "" until the draft answered
+    num_speculative_tokens: int
+    max_context_len: int
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        model: ServedModel,
+        deps: GenerationDeps,
+        validator: RequestValidator,
+        admission: AdmissionControl,
+        monitor: UpstreamMonitor,
+    ) -> None:
+        self.model = model
+        self.deps = deps
+        self.validator = validator
+        self.admission = admission
+        self.monitor = monitor
+        # Generations in flight, for shutdown (entries vanish once a generation is dropped).
+        self._live: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self._stopping = False
+        self._hurry = False
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.deps.metrics
+
+    def open(self, read_fields: Callable[[], RequestFields]) -> Generation:
+        """Validates and admits a request; raises InvalidRequest or Overloaded. ``read_fields``
+        turns the transport's message into fields (and may refuse it too), so every refusal is
+        counted here. The caller must close the returned generation (``async with``) so that its
+        admission slot is freed."""
+        received_at = time.monotonic()
+        if self._stopping:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise ShuttingDown("the gateway is shutting down", code="shutting_down")
+        try:
+            request = self.validator.validate(read_fields())
+        except InvalidRequest:
+            self.count_invalid()
+            raise
+        try:
+            ticket = self.admission.admit()
+        except Overloaded:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise
+        generation = Generation(request, self.deps, ticket, received_at)
+        self._live.add(generation)
+        return generation
+
+    async def drain(self, grace: float) -> None:
+        """Refuses new requests, lets those in flight finish for up to ``grace`` seconds, then
+        interrupts the rest, so their clients get a clear error and their sessions are released."""
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._in_flight() and loop.time() < deadline and not self._hurry:
+            await asyncio.sleep(0.05)
+        for generation in self._in_flight():
+            generation.interrupt(ShuttingDown("the gateway is shutting down", code="shutting_down"))
+
+    def hurry(self) -> None:
+        """Cuts a running :meth:`drain` short (a second Ctrl-C)."""
+        self._hurry = True
+
+    def _in_flight(self) -> list[Generation]:
+        return [g for g in self._live if not g.closed]
+
+    def count_invalid(self) -> None:
+        """Counts a request refused as invalid before it reached :meth:`open`."""
+        self.metrics.requests.labels(status="invalid").inc()
+
+    def info(self) -> GatewayInfo:
+        draft = self.monitor.draft_info
+        return GatewayInfo(
+            model=self.model.name,
+            draft=(draft.model_name or draft.proposer) if draft is not None else "",
+            num_speculative_tokens=self.deps.default_num_speculative_tokens,
+            max_context_len=self.model.max_context_len,
+        )

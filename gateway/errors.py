@@ -1,0 +1,84 @@
+"""Errors the gateway reports to clients, each knowing its HTTP status and gRPC code.
+
+HTTP and gRPC wiring map any :class:`GatewayError` the same way, so a given failure reads the
+same over both APIs. The HTTP body is OpenAI's error JSON:
+``{"error": {"message", "type", "param", "code"}}``.
+
+Status choices (documented once, here):
+
+* bad input of any kind (malformed JSON, wrong types, missing fields, out-of-range values, an
+  unknown model) is **400** ``invalid_request_error`` / ``INVALID_ARGUMENT``. An unknown model is
+  400 with code ``model_not_found`` (DESIGN §4.3 fixes 400/422 for bad input; OpenAI itself
+  answers 404 here). 422 is never used.
+* too many requests in flight is **429** / ``RESOURCE_EXHAUSTED``.
+* an unreachable upstream (target or draft service), or a gateway that is shutting down, is
+  **503** / ``UNAVAILABLE``; any other upstream failure is **502** / ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+
+def openai_error(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON body."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class GatewayError(Exception):
+    """Base class: a failure with a client-facing message."""
+
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_openai(self) -> dict[str, Any]:
+        return openai_error(self.message, self.error_type, self.param, self.code)
+
+
+class InvalidRequest(GatewayError):
+    """The request cannot be served as sent; the client must change it."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class Overloaded(GatewayError):
+    """More requests are in flight than the gateway admits; the client may retry later."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "rate_limit_error"
+
+
+class UpstreamUnavailable(GatewayError):
+    """The target or draft service cannot be reached."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "server_error"
+
+
+class ShuttingDown(GatewayError):
+    """The gateway is stopping: new requests are refused and unfinished ones are ended."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "server_error"
+
+
+class UpstreamFailure(GatewayError):
+    """The target or draft service answered with an error, or broke the wire contract."""
+
+    http_status = 502
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "server_error"

@@ -1,0 +1,78 @@
+"""What a generation emits: text deltas, then one finish with the usage.
+
+These are the only types the HTTP and gRPC layers see of a generation, so both shape their
+responses from the same events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.policy import Mode
+
+
+@dataclass
+class SpeculationStats:
+    """The ``speculative_decoding`` object of the usage: what speculation did for this request.
+
+    A *round* is one verified draft block that proposed at least one token (a round in which the
+    drafter had nothing to propose commits the target's own token and is not counted).
+    """
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallbacks: int = 0
+    # Modes that produced tokens after the first one (which always comes from Prefill).
+    modes_used: set[Mode] = field(default_factory=set)
+    final_mode: Mode = Mode.SPECULATIVE
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mode(self) -> str:
+        """"speculative", "autoregressive", or "mixed" when both produced tokens."""
+        if len(self.modes_used) > 1:
+            return "mixed"
+        return next(iter(self.modes_used), self.final_mode).value
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mode": self.mode,
+            "fallbacks": self.fallbacks,
+        }
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    speculative_decoding: SpeculationStats
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text that became printable, and the tokens committed since the previous delta."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    usage: Usage
+
+
+Event = TextDelta | Finished

@@ -1,0 +1,114 @@
+"""``tandem.v1.GatewayService`` over gRPC, wired to the same :class:`GatewayCore` as HTTP.
+
+Requests go through the same validation as HTTP (bad input → ``INVALID_ARGUMENT``, overload →
+``RESOURCE_EXHAUSTED``, unreachable upstream → ``UNAVAILABLE``). A ``Generate`` stream yields one
+chunk per batch of committed tokens (text that became printable, and the token ids), then a last
+chunk with the finish reason and the usage. When the client cancels, grpc.aio cancels the handler,
+and the generation's cleanup releases the target session.
+
+The server also serves ``grpc.health.v1`` (SERVING while the upstreams are ready) and reflection.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import grpc
+
+from gateway.chat_template import ChatMessage
+from gateway.core import GatewayCore
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.events import Finished, TextDelta, Usage
+from gateway.validation import RequestFields
+from tandem.grpc_util import Health, bind, enable_reflection, make_server
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+_SPECULATION = {
+    common_pb2.SPECULATION_MODE_UNSPECIFIED: "auto",
+    common_pb2.SPECULATION_MODE_AUTO: "auto",
+    common_pb2.SPECULATION_MODE_ON: "on",
+    common_pb2.SPECULATION_MODE_OFF: "off",
+}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+
+
+def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> RequestFields:
+    """Proto → the fields shared with HTTP. Exactly one of prompt, prompt_token_ids and messages
+    may be set; none set is an empty prompt."""
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+    if len(given) > 1:
+        raise InvalidRequest(f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}",
+                             param=given[1])
+    fields = RequestFields(
+        model=request.model or None,
+        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        top_k=request.top_k if request.HasField("top_k") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+        # An enum value this build does not know is passed on as a number, which validation refuses.
+        speculation=_SPECULATION.get(request.speculation, str(request.speculation)),
+        num_speculative_tokens=(
+            request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        ),
+        ignore_eos=request.ignore_eos,
+    )
+    if request.messages:
+        fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]
+    else:
+        fields.prompt = list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
+    return fields
+
+
+def usage_to_proto(usage: Usage) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        speculative_decoding=gateway_pb2.SpeculativeDecodingStats(**usage.speculative_decoding.to_json()),
+    )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, core: GatewayCore) -> None:
+        self._core = core
+
+    async def Generate(self, request: gateway_pb2.GatewayServiceGenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            generation = self._core.open(lambda: fields_from_proto(request))
+        except GatewayError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        async with generation:
+            try:
+                await generation.start()
+                async with aclosing(generation.events()) as events:
+                    async for event in events:
+                        if isinstance(event, TextDelta):
+                            yield gateway_pb2.GatewayServiceGenerateResponse(text=event.text, token_ids=event.token_ids)
+                        elif isinstance(event, Finished):
+                            yield gateway_pb2.GatewayServiceGenerateResponse(
+                                finish_reason=_FINISH[event.finish_reason], usage=usage_to_proto(event.usage)
+                            )
+            except GatewayError as exc:
+                await context.abort(exc.grpc_code, exc.message)
+
+    async def Info(self, request: gateway_pb2.GatewayServiceInfoRequest, context: grpc.aio.ServicerContext):
+        info = self._core.info()
+        return gateway_pb2.GatewayServiceInfoResponse(
+            model=info.model,
+            draft=info.draft,
+            num_speculative_tokens=info.num_speculative_tokens,
+            max_context_len=info.max_context_len,
+        )
+
+
+def build_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, Health, int]:
+    """The gRPC server (not started yet), its health servicer (NOT_SERVING until told), and the bound port."""
+    server = make_server()
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server)
+    health = Health(server, [SERVICE_NAME])
+    enable_reflection(server, [SERVICE_NAME])
+    return server, health, bind(server, host, port)

@@ -1,0 +1,128 @@
+"""The OpenAI-compatible HTTP API (DESIGN §3): FastAPI routes wired to :class:`GatewayCore`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health`` (200 when target and draft are serving, else 503; the body
+reports each) and ``GET /metrics`` (Prometheus text of the gateway's registry). Every error, FastAPI's own included
+(malformed JSON, wrong types, unknown routes), is answered with OpenAI's error JSON; see
+:mod:`gateway.errors` for the status codes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tandem
+from gateway import openai_api
+from gateway.core import GatewayCore
+from gateway.errors import GatewayError, openai_error
+from gateway.http_util import ClientDisconnected, ClosingStreamingResponse, cancel_on_disconnect, invalid_body
+from gateway.openai_api import ResponseMeta
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from gateway.validation import RequestFields
+
+# nginx's "client closed request": logged, never seen by the departed client.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.to_openai(), status_code=error.http_status)
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="tandem gateway", version=tandem.__version__)
+    started = int(time.time())
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        core.count_invalid()
+        return error_response(invalid_body(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = openai_error(str(exc.detail), error_type, code=str(exc.status_code))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+        meta = ResponseMeta("chat", core.model.name, body.include_usage)
+        return await _generate(core, body.to_fields, meta, body.stream, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+        meta = ResponseMeta("completion", core.model.name, body.include_usage)
+        return await _generate(core, body.to_fields, meta, body.stream, request)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=core.model.name, created=started, max_model_len=core.model.max_context_len)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard | JSONResponse:
+        if model_id != core.model.name:
+            # A lookup of a resource that does not exist: 404, as OpenAI answers it.
+            body = openai_error(f"the model {model_id!r} does not exist", "invalid_request_error", "model",
+                                "model_not_found")
+            return JSONResponse(body, status_code=404)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = await core.monitor.check()
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "model": core.model.name,
+            "target": core.monitor.target.to_json(),
+            "draft": core.monitor.draft.to_json(),
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _generate(
+    core: GatewayCore,
+    read_fields: Callable[[], RequestFields],
+    meta: ResponseMeta,
+    stream: bool,
+    request: Request,
+) -> Response | ChatCompletionResponse | CompletionResponse:
+    generation = core.open(read_fields)
+    try:
+        # Prefill before answering, so a failing upstream still gets a proper error status.
+        await generation.start()
+    except BaseException:
+        await generation.aclose()
+        raise
+    if stream:
+        return ClosingStreamingResponse(openai_api.stream(generation, meta), on_close=generation.aclose)
+    async with generation:
+        try:
+            return await cancel_on_disconnect(request.receive, openai_api.complete(generation, meta))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -1,0 +1,204 @@
+"""Running the gateway: HTTP (uvicorn) and gRPC in one event loop.
+
+* :func:`run` — blocking entry point for ``tandem gateway`` / ``tandem serve``: loads the target's
+  tokenizer, serves until SIGINT or SIGTERM, then stops cleanly (in-flight sessions released).
+* :func:`start_gateway` — the same, started inside a running event loop and returned as a
+  :class:`RunningGateway`; with ports 0 (and a tokenizer passed in) it is what tests use.
+
+Upstream addresses, ports and limits all come from :class:`tandem.config.GatewaySettings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import uvicorn
+
+from gateway.admission import AdmissionControl
+from gateway.core import GatewayCore
+from gateway.generation import GenerationDeps
+from gateway.grpc_server import build_grpc_server
+from gateway.http_app import create_app
+from gateway.monitor import UpstreamMonitor
+from gateway.policy import SpeculationPolicy
+from gateway.served_model import ServedModel, config_context_len
+from gateway.upstream import GrpcDraft, GrpcTarget
+from gateway.validation import RequestValidator
+from tandem.config import GatewaySettings
+from tandem.grpc_util import Health
+from tandem.metrics import make_metrics
+from tandem.models import default_served_name, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 2.0
+# In-flight requests get this long to finish when the gateway stops.
+SHUTDOWN_GRACE_S = 5.0
+SERVER_DEADLINE_MARGIN_S = 2.0
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway owns SIGINT/SIGTERM and stops HTTP
+    and gRPC together (uvicorn would otherwise re-raise the signal after its own shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+@dataclass
+class RunningGateway:
+    """A started gateway. ``http_port`` and ``grpc_port`` are the bound ports (useful with 0)."""
+
+    core: GatewayCore
+    http_port: int
+    grpc_port: int
+    _http: _EmbeddedUvicorn
+    _http_task: asyncio.Task
+    _grpc: grpc.aio.Server
+    _health: Health
+    _monitor_task: asyncio.Task
+    _upstreams: tuple[GrpcTarget, GrpcDraft]
+    _stopped: bool = False
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Stops accepting requests, gives those in flight ``grace`` seconds to finish, ends the
+        rest with a "shutting down" error, releases their sessions and closes the channels.
+        Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._monitor_task.cancel()
+        await asyncio.gather(self._monitor_task, return_exceptions=True)
+        await self._health.not_serving()
+        # The servers' own deadlines come after the drain's, so requests end by interruption
+        # (a clean error to the client), not by the servers cancelling their handlers.
+        self._http.config.timeout_graceful_shutdown = grace + SERVER_DEADLINE_MARGIN_S
+        self._http.should_exit = True
+        grpc_stopped = asyncio.ensure_future(self._grpc.stop(grace + SERVER_DEADLINE_MARGIN_S))
+        await self.core.drain(grace)
+        await asyncio.gather(self._http_task, grpc_stopped, return_exceptions=True)
+        await self.core.deps.background.drain()
+        for upstream in self._upstreams:
+            await upstream.close()
+
+
+async def start_gateway(
+    settings: GatewaySettings,
+    tokenizer: Any = None,
+    *,
+    max_context_len: int | None = None,
+    health_interval_s: float = HEALTH_INTERVAL_S,
+) -> RunningGateway:
+    """Starts HTTP and gRPC in the running loop and returns once both accept connections.
+
+    ``tokenizer`` defaults to the target model's (``load_tokenizer(settings.target_model)``);
+    ``max_context_len`` to the checkpoint's config, until the target reports its own.
+    """
+    spec = settings.target_model
+    if tokenizer is None:
+        tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+    if max_context_len is None:
+        max_context_len = await asyncio.to_thread(config_context_len, spec)
+    model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
+
+    target, draft = GrpcTarget(settings.target_address), GrpcDraft(settings.draft_address)
+    monitor = UpstreamMonitor(target, draft, model)
+    deps = GenerationDeps(
+        target=target,
+        draft=draft,
+        model=model,
+        policy=SpeculationPolicy(),
+        metrics=make_metrics("gateway"),
+        draft_ready=lambda: monitor.draft_ready,
+        default_num_speculative_tokens=settings.num_speculative_tokens,
+    )
+    core = GatewayCore(
+        model,
+        deps,
+        RequestValidator(model, settings.default_max_tokens),
+        AdmissionControl(settings.max_concurrent_requests),
+        monitor,
+    )
+
+    sock = _bind_http_socket(settings.host, settings.http_port)
+    try:
+        grpc_server, health, grpc_port = build_grpc_server(core, settings.host, settings.grpc_port)
+    except OSError:
+        sock.close()
+        raise
+    await health.not_serving()
+    await grpc_server.start()
+
+    config = uvicorn.Config(
+        create_app(core),
+        host=settings.host,
+        port=settings.http_port,
+        log_level=settings.log_level.lower(),
+        log_config=None,
+        lifespan="off",
+    )
+    http = _EmbeddedUvicorn(config)
+    http_port = sock.getsockname()[1]
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started:
+        if http_task.done():
+            await grpc_server.stop(None)
+            http_task.result()  # raises what stopped uvicorn
+            raise RuntimeError("the HTTP server exited during start-up")
+        await asyncio.sleep(0.01)
+
+    async def on_readiness_change(ready: bool) -> None:
+        await (health.serving() if ready else health.not_serving())
+
+    monitor.on_readiness_change = on_readiness_change
+    await monitor.check()
+    monitor_task = asyncio.create_task(monitor.watch(health_interval_s))
+    return RunningGateway(core, http_port, grpc_port, http, http_task, grpc_server, health, monitor_task,
+                          (target, draft))
+
+
+def _bind_http_socket(host: str, port: int) -> socket.socket:
+    """Binds here rather than in uvicorn, to learn the port when it is 0 and to raise OSError
+    (uvicorn calls sys.exit when it cannot bind)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind the HTTP server to {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+def run(settings: GatewaySettings) -> None:
+    """Serves the gateway until SIGINT or SIGTERM (blocking)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve_until_signalled(settings))
+
+
+async def _serve_until_signalled(settings: GatewaySettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = await start_gateway(settings)
+    log.info(
+        "gateway serving %s: OpenAI API at http://%s:%d/v1, gRPC tandem.v1.GatewayService at %s:%d "
+        "(target %s, draft %s)",
+        gateway.core.model.name, settings.host, gateway.http_port, settings.host, gateway.grpc_port,
+        settings.target_address, settings.draft_address,
+    )
+    await stop.wait()
+    log.info("stopping the gateway; requests in flight get %.0f s to finish (signal again to end them now)",
+             SHUTDOWN_GRACE_S)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, gateway.core.hurry)
+    await gateway.stop()

@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP bodies (DESIGN §3), as pydantic models.
+
+Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
+is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
+with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
+servers commonly do, but OpenAI features tandem does not implement (log-probabilities, penalties,
+``echo``, ``suffix``, ``best_of``) are refused explicitly rather than silently ignored.
+
+Response models mirror OpenAI's objects; the usage object adds ``speculative_decoding``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.chat_template import ChatMessage
+from gateway.errors import InvalidRequest
+from gateway.validation import PromptInput, RequestFields
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class _StrictBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_StrictBody):
+    include_usage: bool = False
+
+
+class TextContentPart(_StrictBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_StrictBody):
+    role: str
+    # A string, or OpenAI's list of content parts (text parts only: tandem serves text models).
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return ChatMessage(self.role, content)
+
+
+class _GenerationBody(_StrictBody):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # tandem extensions (values checked in gateway.validation, shared with gRPC)
+    speculation: str | None = Field(None, description='"auto" (default), "on" or "off"')
+    num_speculative_tokens: int | None = Field(None, description="draft length K for this request (1..64)")
+    top_k: int | None = Field(None, description="sample from the k most likely tokens (0 = all)")
+    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _common_fields(self, max_tokens: int | None) -> RequestFields:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
+        return RequestFields(
+            model=self.model,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            n=self.n,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            speculation=self.speculation,
+            num_speculative_tokens=self.num_speculative_tokens,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[ChatMessageIn]
+    # OpenAI's newer name for max_tokens; wins when both are given.
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def to_fields(self) -> RequestFields:
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequest("logprobs are not supported by this server", param="logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        fields = self._common_fields(max_tokens)
+        fields.messages = [m.to_message() for m in self.messages]
+        return fields
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: PromptInput
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_fields(self) -> RequestFields:
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs are not supported by this server", param="logprobs")
+        if self.echo:
+            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", param="suffix")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of must be 1", param="best_of")
+        fields = self._common_fields(self.max_tokens)
+        fields.prompt = self.prompt
+        return fields
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class SpeculativeDecodingUsage(BaseModel):
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    mode: Literal["speculative", "autoregressive", "mixed"]
+    fallbacks: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative_decoding: SpeculativeDecodingUsage
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the non-stream response and each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,45 @@
+"""A validated generation request: what the gateway drives, independent of HTTP or gRPC.
+
+``gateway.validation`` builds these from client input; ``gateway.generation`` consumes them.
+Keeping them free of transport types lets both APIs share one validation path and one
+generation path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Speculation(str, enum.Enum):
+    """The ``speculation`` extension field: how the client wants the request decoded."""
+
+    AUTO = "auto"  # the gateway's policy decides (speculate while the draft is available)
+    ON = "on"  # speculate; fail rather than silently decode without the draft
+    OFF = "off"  # the target's plain autoregressive Generate (the speed baseline)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters as the target understands them (temperature 0 = greedy)."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = no top-k truncation
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one request fixes, already checked against the served model's limits."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    # Token ids that end generation besides the model's EOS (e.g. a chat end-of-turn token).
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    speculation: Speculation
+    # Draft length K for this request; None = the gateway's configured default.
+    num_speculative_tokens: int | None

@@ -1,0 +1,38 @@
+"""What the gateway knows about the model it serves: name, tokenizer and context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.chat_template import ChatFormat
+from tandem.models import resolve, tokenizer_fingerprint
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Any
+    # Tokens per sequence, prompt included. Starts from the checkpoint's config and is replaced
+    # by the target's own limit (TargetService.Info.max_context_len) once the target answers,
+    # since the target may be configured below the model's limit.
+    max_context_len: int
+    fingerprint: str = field(init=False)
+    chat: ChatFormat = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.chat = ChatFormat.for_tokenizer(self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can decode: valid ids are 0 <= id < vocab_size."""
+        return len(self.tokenizer)
+
+
+def config_context_len(spec: str) -> int:
+    """The checkpoint's context length (``max_position_embeddings`` of its text config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(resolve(spec).hf_dir)).get_text_config()
+    return int(config.max_position_embeddings)

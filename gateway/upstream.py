@@ -1,0 +1,151 @@
+"""gRPC clients for the two upstreams: the target service and the draft service.
+
+:class:`generation.Generation` depends only on the small protocols :class:`TargetUpstream` and
+:class:`DraftUpstream`, so tests can drive it with in-memory fakes. The gRPC implementations turn
+every ``grpc.aio.AioRpcError`` into a :class:`gateway.errors.GatewayError` that names the service
+and its address, so a client reads e.g. "the draft service at 127.0.0.1:50052 is unavailable"
+rather than a bare status code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Generic, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import GatewayError, InvalidRequest, Overloaded, UpstreamFailure, UpstreamUnavailable
+from tandem.grpc_util import CHANNEL_OPTIONS
+from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+RELEASE_TIMEOUT_S = 5.0
+# gRPC backs off up to 2 minutes between reconnection attempts by default, so an upstream that
+# restarts would stay "unavailable" to the gateway long after it is back. Upstreams are local
+# services on a known address: retrying often is cheap.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class UpstreamStream(Protocol[T_co]):
+    """A server stream that can be cancelled by the caller."""
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+    def cancel(self) -> None: ...
+
+
+class TargetUpstream(Protocol):
+    async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse: ...
+
+    def generate(
+        self, request: target_pb2.TargetServiceGenerateRequest
+    ) -> UpstreamStream[target_pb2.TargetServiceGenerateResponse]: ...
+
+    async def release(self, session_id: str) -> bool: ...
+
+
+class DraftUpstream(Protocol):
+    def speculate(self, request: draft_pb2.SpeculateRequest) -> UpstreamStream[draft_pb2.SpeculateResponse]: ...
+
+
+def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> GatewayError:
+    """The client-facing error for an upstream's gRPC status."""
+    code, details = error.code(), error.details() or ""
+    where = f"the {service} service at {address}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return UpstreamUnavailable(f"{where} is unavailable: {details}", code="upstream_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"{where} is at capacity: {details}", code="upstream_overloaded")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(f"{where} refused the request: {details}")
+    return UpstreamFailure(f"{where} failed ({code.name}): {details}", code="upstream_error")
+
+
+class GrpcStream(Generic[T]):
+    """A ``grpc.aio`` server-streaming call whose errors come out translated."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, service: str, address: str) -> None:
+        self._call = call
+        self._service = service
+        self._address = address
+
+    async def __aiter__(self) -> AsyncIterator[T]:
+        try:
+            async for message in self._call:
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise translate(self._service, self._address, exc) from exc
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class _GrpcUpstream:
+    """A channel to one upstream plus the standard health check every tandem service serves."""
+
+    service = ""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def is_serving(self, timeout: float) -> bool:
+        try:
+            answer = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _unary(self, method, request, timeout: float | None = None):
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(self.service, self.address, exc) from exc
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class GrpcTarget(_GrpcUpstream):
+    service = "target"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+
+    async def info(self, timeout: float) -> target_pb2.TargetServiceInfoResponse:
+        return await self._unary(self._stub.Info, target_pb2.TargetServiceInfoRequest(), timeout)
+
+    async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
+        return await self._unary(self._stub.Prefill, request)
+
+    def generate(
+        self, request: target_pb2.TargetServiceGenerateRequest
+    ) -> GrpcStream[target_pb2.TargetServiceGenerateResponse]:
+        return GrpcStream(self._stub.Generate(request), self.service, self.address)
+
+    async def release(self, session_id: str) -> bool:
+        request = target_pb2.ReleaseRequest(session_id=session_id)
+        return (await self._unary(self._stub.Release, request, RELEASE_TIMEOUT_S)).released
+
+
+class GrpcDraft(_GrpcUpstream):
+    service = "draft"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+
+    async def info(self, timeout: float) -> draft_pb2.DraftServiceInfoResponse:
+        return await self._unary(self._stub.Info, draft_pb2.DraftServiceInfoRequest(), timeout)
+
+    def speculate(self, request: draft_pb2.SpeculateRequest) -> GrpcStream[draft_pb2.SpeculateResponse]:
+        return GrpcStream(self._stub.Speculate(request), self.service, self.address)

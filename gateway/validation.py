@@ -1,0 +1,186 @@
+"""The one place where client input is checked and tokenized, for HTTP and gRPC alike.
+
+Transport layers only check *types* (pydantic for HTTP bodies, protobuf for gRPC) and fill in a
+:class:`RequestFields`; :class:`RequestValidator` checks *values* against the served model and
+returns a :class:`gateway.request.GenerationRequest`, or raises
+:class:`gateway.errors.InvalidRequest` whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+from gateway.chat_template import ChatMessage, ChatTemplateError
+from gateway.errors import InvalidRequest
+from gateway.request import GenerationRequest, Sampling, Speculation
+from gateway.served_model import ServedModel
+
+# OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_SPECULATIVE_TOKENS = 64
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_SEED = 2**64 - 1
+
+# As OpenAI's /v1/completions accepts it: text, token ids, or a batch of either (of one).
+PromptInput = Union[str, list[int], list[str], list[list[int]]]
+
+
+@dataclass
+class RequestFields:
+    """One request as the client sent it, with types checked but values not yet."""
+
+    model: str | None = None
+    prompt: PromptInput | None = None  # completions
+    messages: list[ChatMessage] | None = None  # chat
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: tuple[str, ...] = ()
+    speculation: str | None = None
+    num_speculative_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+class RequestValidator:
+    def __init__(self, model: ServedModel, default_chat_max_tokens: int) -> None:
+        self._model = model
+        self._default_chat_max_tokens = default_chat_max_tokens
+
+    def validate(self, fields: RequestFields) -> GenerationRequest:
+        self._check_model(fields.model)
+        if fields.n is not None and fields.n != 1:
+            raise InvalidRequest("n must be 1: one choice per request is supported", param="n")
+        sampling = self._sampling(fields)
+        speculation, k = self._speculation(fields)
+        stop = self._stop(fields.stop)
+        if (fields.messages is None) == (fields.prompt is None):
+            raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+        if fields.messages is not None:
+            prompt_ids, param = self._chat_prompt(fields.messages), "messages"
+            stop += tuple(s for s in self._model.chat.stop_strings if s not in stop)
+            stop_token_ids = self._model.chat.stop_token_ids
+            default_max_tokens = self._default_chat_max_tokens
+        else:
+            prompt_ids, param = self._completion_prompt(fields.prompt), "prompt"
+            stop_token_ids = ()
+            default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = self._max_tokens(fields.max_tokens, default_max_tokens, len(prompt_ids), param)
+        return GenerationRequest(
+            prompt_token_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=fields.ignore_eos,
+            speculation=speculation,
+            num_speculative_tokens=k,
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self._model.name:
+            raise InvalidRequest(
+                f"the model {model!r} does not exist; this server serves {self._model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _sampling(self, fields: RequestFields) -> Sampling:
+        temperature = 1.0 if fields.temperature is None else fields.temperature
+        if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+            raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        top_p = 1.0 if fields.top_p is None else fields.top_p
+        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        top_k = 0 if fields.top_k is None else fields.top_k
+        if top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}", param="top_k")
+        if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:
+            raise InvalidRequest(f"seed must be between 0 and 2**64-1, got {fields.seed}", param="seed")
+        # top_k beyond the vocabulary truncates nothing; clamping keeps it within int32 on the wire.
+        return Sampling(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed)
+
+    @staticmethod
+    def _speculation(fields: RequestFields) -> tuple[Speculation, int | None]:
+        try:
+            speculation = Speculation(fields.speculation or Speculation.AUTO.value)
+        except ValueError:
+            choices = ", ".join(repr(s.value) for s in Speculation)
+            raise InvalidRequest(
+                f"speculation must be one of {choices}, got {fields.speculation!r}", param="speculation"
+            ) from None
+        k = fields.num_speculative_tokens
+        if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequest(
+                f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}",
+                param="num_speculative_tokens",
+            )
+        return speculation, k
+
+    @staticmethod
+    def _stop(stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in stop):
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+        return tuple(dict.fromkeys(stop))
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        for i, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequest(
+                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
+                    param=f"messages[{i}].role",
+                )
+        try:
+            return self._model.chat.token_ids(messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+
+    def _completion_prompt(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest(
+                    f"prompt holds a batch of {len(prompt)} prompts; send one prompt per request", param="prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            return self._model.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        vocab = self._model.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="prompt"
+            )
+        return list(prompt)
+
+    def _max_tokens(self, requested: int | None, default: int, prompt_len: int, param: str) -> int:
+        context = self._model.max_context_len
+        if prompt_len >= context:
+            raise InvalidRequest(
+                f"this model's maximum context length is {context} tokens, and the prompt has {prompt_len}: "
+                "no room is left to generate; shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+        room = context - prompt_len
+        if requested is None:
+            return min(default, room)
+        if requested < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        if requested > room:
+            raise InvalidRequest(
+                f"this model's maximum context length is {context} tokens; you requested {prompt_len + requested} "
+                f"({prompt_len} in the prompt, {requested} for the completion); reduce max_tokens or the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested

@@ -1,0 +1,112 @@
+"""The target distribution p, and how one token is drawn from it (PyTorch reference).
+
+Verification (``verify.py``) and the autoregressive path (``TargetEngine.generate``) both use
+``target_probs``, so speculative and plain decoding sample exactly the same distribution.
+
+Definition of p for one request, from raw logits, in this order (as in Hugging Face ``generate``):
+
+1. ``temperature < GREEDY_TEMPERATURE`` (0 in practice) is greedy: p is one-hot on the argmax
+   (the first index among equal maxima, like ``torch.argmax``).
+2. Otherwise the logits are divided by the temperature.
+3. ``top_k > 0`` keeps the ``top_k`` largest (ties broken by the lower token id); 0 keeps all.
+4. ``0 < top_p < 1`` keeps the smallest prefix of the tokens sorted by probability whose mass
+   reaches ``top_p`` (at least one token); 0 and 1 keep all.
+5. Softmax over the kept tokens, renormalised; every other token gets probability exactly 0.
+
+Randomness is an explicit input, never drawn inside: a token is drawn from a non-negative weight
+vector w by the exponential race ``argmax(w / E)`` with ``E_i ~ Exp(1)`` i.i.d., which returns i
+with probability ``w_i / sum(w)`` and needs no normalisation, cumulative sum or search. The
+caller makes ``E`` (and the uniforms of ``verify.py``) from a seeded ``torch.Generator`` with
+``draw_exponentials`` / ``draw_uniforms``, so a request seed reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Temperatures below this are greedy; dividing logits by them would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
+    """Which requests decode greedily. ``temperature``: [batch] float -> [batch] bool."""
+    return temperature < GREEDY_TEMPERATURE
+
+
+def target_probs(
+    logits: torch.Tensor,  # [batch, n, vocab], any float dtype
+    temperature: torch.Tensor,  # [batch] float
+    top_p: torch.Tensor,  # [batch] float
+    top_k: torch.Tensor,  # [batch] int
+) -> torch.Tensor:  # [batch, n, vocab] float32, each row sums to 1
+    """The target distribution p at every position (see the module docstring), in float32."""
+    logits = logits.float()  # [batch, n, vocab]
+    vocab = logits.shape[-1]
+    greedy = is_greedy(temperature)  # [batch]
+    safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [batch]
+    scaled = logits / safe_temperature[:, None, None]  # [batch, n, vocab]
+
+    truncate_k = (top_k > 0) & (top_k < vocab)  # [batch]
+    truncate_p = (top_p > 0) & (top_p < 1)  # [batch]
+    if bool((truncate_k | truncate_p).any()):
+        probs = _truncated_softmax(scaled, top_p, top_k, truncate_p)  # [batch, n, vocab]
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # [batch, n, vocab]
+
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [batch, n, vocab]
+    return torch.where(greedy[:, None, None], one_hot, probs)  # [batch, n, vocab]
+
+
+def _truncated_softmax(
+    scaled: torch.Tensor,  # [batch, n, vocab] float32, temperature applied
+    top_p: torch.Tensor,  # [batch] float
+    top_k: torch.Tensor,  # [batch] int
+    truncate_p: torch.Tensor,  # [batch] bool, rows where 0 < top_p < 1
+) -> torch.Tensor:  # [batch, n, vocab]
+    """Top-k then top-p filtering, done with one sort of the vocabulary."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [batch, n, vocab] x2
+    rank = torch.arange(vocab, device=scaled.device)  # [vocab]
+    kept_k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # [batch]
+    keep = (rank < kept_k[:, None, None]).expand_as(scaled)  # [batch, n, vocab]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)  # [batch, n, vocab]
+
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [batch, n, vocab]
+    # Rows without top-p compare against 2, which every mass (at most 1 + rounding) is below.
+    threshold = torch.where(truncate_p, top_p.float(), torch.full_like(top_p, 2.0, dtype=torch.float32))  # [batch]
+    keep = keep & (mass_before < threshold[:, None, None])  # [batch, n, vocab]; rank 0 always stays
+    sorted_probs = sorted_probs * keep  # [batch, n, vocab]
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)  # [batch, n, vocab]
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)  # [batch, n, vocab]
+
+
+def exponential_race(
+    weights: torch.Tensor,  # [batch, vocab] float, >= 0, at least one > 0 per row
+    exponentials: torch.Tensor,  # [batch, vocab] float, Exp(1) draws, > 0
+) -> torch.Tensor:  # [batch] int64
+    """Draws token i with probability ``weights[i] / weights.sum()`` (unnormalised weights)."""
+    return (weights / exponentials).argmax(dim=-1)  # [batch]
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [batch, vocab], any float dtype
+    temperature: torch.Tensor,  # [batch] float
+    top_p: torch.Tensor,  # [batch] float
+    top_k: torch.Tensor,  # [batch] int
+    exponentials: torch.Tensor,  # [batch, vocab] float, Exp(1) draws (ignored for greedy rows)
+) -> torch.Tensor:  # [batch] int64
+    """One autoregressive step: a token from p (the argmax for greedy requests)."""
+    probs = target_probs(logits[:, None, :], temperature, top_p, top_k)[:, 0]  # [batch, vocab]
+    sampled = exponential_race(probs, exponentials)  # [batch]
+    return torch.where(is_greedy(temperature), logits.argmax(dim=-1), sampled)  # [batch]
+
+
+def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Uniform draws on (0, 1] (never exactly 0), float32, on the generator's device."""
+    return 1.0 - torch.rand(shape, generator=generator, device=generator.device)
+
+
+def draw_exponentials(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) draws, float32, strictly positive (so ``w / E`` never divides by zero)."""
+    exponentials = -torch.log(draw_uniforms(shape, generator))
+    return exponentials.clamp_min(torch.finfo(torch.float32).tiny)

@@ -1,0 +1,351 @@
+"""The target engine: sessions, forward passes and verification, with no gRPC in sight.
+
+Invariant, for every live session: its KV cache holds exactly ``tokens[:-1]``. Prefill writes the
+prompt and samples the first token; every later forward pass (a verify block or a generate step)
+feeds the last committed token first, followed by the draft tokens, and afterwards the cache is
+cut back to the new ``tokens[:-1]``. So Verify and Generate can alternate freely in one session,
+and a stale block is answered without touching anything.
+
+Not thread-safe: the server calls the engine from one dedicated worker thread, which also
+serialises the forward passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
+from target_service import kv_cache
+from target_service.api import (
+    FINISHED,
+    NOT_FINISHED,
+    OK,
+    STALE,
+    DraftBlock,
+    EngineInfo,
+    GenerateResult,
+    PrefillResult,
+    Verdict,
+)
+from target_service.errors import InvalidArgument, TokenizerMismatch
+from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
+from target_service.validation import check_block, check_prefill
+from target_service.verifier import select_verifier
+from tandem.config import TargetSettings
+from tandem.metrics import Metrics
+from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+class TargetEngine:
+    """Owns the target model and every session's committed tokens and KV cache."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        session_ttl_s: float = 600.0,
+        max_sessions: int = 256,
+        max_context_len: int = 0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.metrics = metrics
+        text_config = loaded.model.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.verifier = select_verifier(loaded.device)
+        self.info = EngineInfo(
+            model_name=loaded.name,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+            dtype=loaded.dtype,
+            device=loaded.device,
+            max_context_len=_context_len(text_config, max_context_len),
+            eos_token_ids=_eos_token_ids(loaded, self.vocab_size),
+            hidden_size=int(text_config.hidden_size),
+            verifier_backend=self.verifier.backend,
+        )
+        self._eos = frozenset(self.info.eos_token_ids)
+        self.store = SessionStore(session_ttl_s, max_sessions, clock, on_live_change=self._report_live)
+        self._report_live(0)
+
+    @classmethod
+    def from_settings(cls, settings: TargetSettings, metrics: Metrics | None = None) -> TargetEngine:
+        """Loads ``settings.target_model`` (HF directory, .gguf or built-in name)."""
+        loaded = load_model(settings.target_model, settings.device, settings.dtype, settings.served_model_name)
+        return cls(
+            loaded,
+            session_ttl_s=settings.session_ttl_s,
+            max_sessions=settings.max_sessions,
+            max_context_len=settings.max_context_len,
+            metrics=metrics,
+        )
+
+    # ----------------------------------------------------------------------------- requests
+
+    def prefill(
+        self,
+        session_id: str,
+        prompt_token_ids: Sequence[int],
+        config: SessionConfig,
+        tokenizer_fingerprint: str = "",
+    ) -> PrefillResult:
+        """Creates the session, fills its KV cache with the prompt and picks the first token."""
+        self.check_tokenizer(tokenizer_fingerprint)
+        check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
+        self.store.check_can_add(session_id)
+        prompt = list(prompt_token_ids)
+        session = Session(
+            session_id=session_id,
+            config=config,
+            prompt_len=len(prompt),
+            tokens=prompt,
+            cache=kv_cache.new_cache(),
+            generator=make_generator(config.seed, self.device),
+            sampling=SamplingTensors.of(config, self.device),
+        )
+        logits, hidden = self._forward(session, prompt, last_only=True)  # [1, vocab], [prompt, hidden]
+        first = self._sample(session, logits)
+        committed, reason = self._cut(session, [first])
+        self.store.add(session)
+        self._commit(session, committed, reason)
+        return PrefillResult(first, session.committed_len, reason, hidden)
+
+    def verify(self, block: DraftBlock) -> Verdict:
+        """Verifies one draft block against the session and commits the verdict's tokens."""
+        self.check_tokenizer(block.tokenizer_fingerprint)
+        check_block(block, self.vocab_size)
+        session = self.store.get(block.session_id)
+        # A finished session answers FINISHED to any block, stale or not: the drafter is done.
+        if session.finished:
+            return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
+        if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
+            return Verdict(block.block_id, STALE, session.committed_len)
+
+        started = time.perf_counter()
+        # Draft tokens past the session's budget could never be committed; verifying only the
+        # others changes no committed token's distribution (the last one is then a bonus token).
+        k = min(len(block.draft_token_ids), session.remaining - 1)
+        drafts = list(block.draft_token_ids[:k])
+        logits, hidden = self._forward(session, [session.tokens[-1], *drafts])  # [k+1, vocab], [k+1, hidden]
+        q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
+        uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
+        num_accepted, next_token = self.verifier.verify_chain(
+            logits[None],  # [1, k+1, vocab]
+            torch.tensor([drafts], dtype=torch.long, device=self.device).reshape(1, k),  # [1, k]
+            q_ids,
+            q_probs,
+            session.sampling.temperature,
+            session.sampling.top_p,
+            session.sampling.top_k,
+            uniforms,
+            exponentials,
+        )
+        accepted = int(num_accepted[0])
+        committed, reason = self._cut(session, [*drafts[:accepted], int(next_token[0])])
+        self._commit(session, committed, reason)
+        elapsed = time.perf_counter() - started
+
+        if self.metrics is not None:
+            self.metrics.verify_duration.observe(elapsed)
+            self.metrics.record_round(k, accepted)
+        return Verdict(
+            block_id=block.block_id,
+            status=OK,
+            committed_len=session.committed_len,
+            num_accepted=min(accepted, len(committed)),
+            committed_token_ids=tuple(committed),
+            finish_reason=reason,
+            hidden_states=None if hidden is None else hidden[: len(committed)],
+            verify_seconds=elapsed,
+        )
+
+    def generate(
+        self, session_id: str, max_tokens: int = 1, cancelled: Callable[[], bool] = lambda: False
+    ) -> GenerateResult:
+        """Decodes up to ``max_tokens`` tokens autoregressively, continuing the session.
+
+        ``cancelled`` is asked after each forward pass, before its token is committed: a caller
+        that went away while the step ran never sees that token, so it is not committed either.
+        A finished session returns no tokens and its finish reason.
+        """
+        if max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be positive, got {max_tokens}")
+        session = self.store.get(session_id)
+        produced: list[int] = []
+        while len(produced) < max_tokens and not session.finished:
+            logits, _ = self._forward(session, session.tokens[-1:], last_only=True)  # [1, vocab]
+            token = self._sample(session, logits)
+            if cancelled():
+                kv_cache.truncate(session.cache, session.committed_len - 1)
+                break
+            committed, reason = self._cut(session, [token])
+            self._commit(session, committed, reason)
+            produced += committed
+        return GenerateResult(tuple(produced), session.committed_len, session.finish_reason)
+
+    def release(self, session_id: str) -> bool:
+        """Frees the session; False when it did not exist."""
+        return self.store.release(session_id)
+
+    def expire_idle(self) -> list[str]:
+        """Drops sessions idle for longer than the TTL; returns their ids."""
+        expired = self.store.expire_idle()
+        if expired:
+            log.info("expired %d idle session(s)", len(expired))
+        return expired
+
+    def check_tokenizer(self, fingerprint: str) -> None:
+        """Refuses a caller whose (non-empty) tokenizer fingerprint differs from the target's."""
+        ours = self.info.tokenizer_fingerprint
+        if fingerprint and fingerprint != ours:
+            raise TokenizerMismatch(
+                f"tokenizer mismatch: the target model {self.info.model_name!r} has tokenizer fingerprint {ours}, "
+                f"the caller's tokenizer has {fingerprint}; draft and target must share a tokenizer"
+            )
+
+    def warmup(self) -> None:
+        """One forward pass and one verification, so the first request pays no lazy set-up."""
+        config = SessionConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=8, seed=0)
+        session = Session(
+            session_id="",
+            config=config,
+            prompt_len=8,
+            tokens=[0] * 8,
+            cache=kv_cache.new_cache(),
+            generator=make_generator(0, self.device),
+            sampling=SamplingTensors.of(config, self.device),
+        )
+        logits, _ = self._forward(session, session.tokens)  # [8, vocab]
+        uniforms, exponentials = self._randomness(session, 7)  # [1, 7], [1, vocab]
+        drafts = torch.zeros(1, 7, dtype=torch.long, device=self.device)  # [1, 7]
+        self.verifier.verify_chain(
+            logits[None],
+            drafts,
+            drafts[..., None],
+            torch.ones(1, 7, 1, device=self.device),
+            session.sampling.temperature,
+            session.sampling.top_p,
+            session.sampling.top_k,
+            uniforms,
+            exponentials,
+        )
+
+    # ----------------------------------------------------------------------------- internals
+
+    @torch.inference_mode()
+    def _forward(
+        self, session: Session, token_ids: Sequence[int], last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the model over ``token_ids`` after the session's cache, appending to the cache.
+
+        Returns the logits ``[n, vocab]`` (``[1, vocab]`` with ``last_only``) and, when the session
+        asked for them, the final hidden states ``[n, hidden_size]``.
+        """
+        want_hidden = session.config.return_hidden_states
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                cache=session.cache,
+                use_cache=True,
+                output_hidden_states=want_hidden,
+                logits_to_keep=1 if last_only else 0,
+            )
+        except Exception:
+            # A pass that failed half-way (out of memory, say) may have grown some layers of the
+            # cache and not others; the session cannot go on correctly, so it is dropped.
+            self.store.release(session.session_id)
+            raise
+        logits = out.logits[0]  # [n, vocab] or [1, vocab]
+        hidden = out.hidden_states[-1][0] if want_hidden else None  # [n, hidden_size]
+        return logits, hidden
+
+    def _sample(self, session: Session, logits: torch.Tensor) -> int:
+        """One token from the target distribution. ``logits``: [1, vocab]."""
+        _, exponentials = self._randomness(session, 0)  # [1, vocab]
+        s = session.sampling
+        return int(self.verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, exponentials)[0])
+
+    def _randomness(self, session: Session, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniforms [1, k] and exponentials [1, vocab] from the session's generator.
+
+        Greedy sessions use no randomness; they get ones (valid inputs that are ignored).
+        """
+        if bool(is_greedy(session.sampling.temperature)[0]):
+            ones = torch.ones(1, k + self.vocab_size, device=self.device)
+            return ones[:, :k], ones[:, k:]
+        return draw_uniforms((1, k), session.generator), draw_exponentials((1, self.vocab_size), session.generator)
+
+    def _proposal(self, block: DraftBlock, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's q for the first k draft tokens as padded ``q_ids``/``q_probs`` [1, k, m]."""
+        if not block.draft_probs:  # a deterministic drafter: q is one-hot on each draft token
+            ids = torch.tensor(block.draft_token_ids[:k], dtype=torch.long, device=self.device).reshape(1, k, 1)
+            return ids, torch.ones(1, k, 1, device=self.device)
+        rows = block.draft_probs[:k]
+        m = max((len(q.token_ids) for q in rows), default=1)
+        ids = torch.zeros(1, k, m, dtype=torch.long)  # [1, k, m]; padding has probability 0
+        probs = torch.zeros(1, k, m, dtype=torch.float64)  # [1, k, m]
+        for j, q in enumerate(rows):
+            ids[0, j, : len(q.token_ids)] = torch.tensor(q.token_ids, dtype=torch.long)
+            probs[0, j, : len(q.probs)] = torch.tensor(q.probs, dtype=torch.float64)
+        # Validation allows a small rounding error in the sums; the verifier wants q exactly normalised.
+        probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        return ids.to(self.device), probs.float().to(self.device)
+
+    def _cut(self, session: Session, new_tokens: list[int]) -> tuple[list[int], int]:
+        """The tokens to commit: up to and including the first stop token, within the budget."""
+        for i, token in enumerate(new_tokens):
+            if token in session.config.stop_token_ids or (token in self._eos and not session.config.ignore_eos):
+                return new_tokens[: i + 1], STOP
+            if session.generated + i + 1 >= session.config.max_new_tokens:
+                return new_tokens[: i + 1], LENGTH
+        return new_tokens, NOT_FINISHED
+
+    def _commit(self, session: Session, new_tokens: list[int], reason: int) -> None:
+        """Appends tokens and restores the invariant (cache == tokens[:-1]), or finishes."""
+        session.tokens.extend(new_tokens)
+        if reason != NOT_FINISHED:
+            self.store.finish(session, reason)
+        else:
+            kv_cache.truncate(session.cache, session.committed_len - 1)
+
+    def _report_live(self, live: int) -> None:
+        if self.metrics is not None:
+            self.metrics.sessions_active.labels(mode="target").set(live)
+
+
+def _extends(committed: list[int], base_len: int, assumed: Sequence[int]) -> bool:
+    """Whether ``committed[:base_len] + assumed`` is exactly the committed sequence."""
+    return base_len + len(assumed) == len(committed) and committed[base_len:] == list(assumed)
+
+
+def _context_len(text_config, configured: int) -> int:
+    """Tokens per session: the configured limit, capped by the model's position embeddings."""
+    model_limit = int(getattr(text_config, "max_position_embeddings", 0) or 0)
+    limits = [limit for limit in (configured, model_limit) if limit > 0]
+    if not limits:
+        raise ValueError("the model config names no max_position_embeddings; set max_context_len")
+    return min(limits)
+
+
+def _eos_token_ids(loaded: LoadedModel, vocab_size: int) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    found: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and 0 <= token < vocab_size:
+                found.add(token)
+    return tuple(sorted(found))

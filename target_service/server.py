@@ -1,0 +1,133 @@
+"""The gRPC face of the engine: ``tandem.v1.TargetService`` as a thin grpc.aio servicer.
+
+Every engine call runs on one dedicated worker thread (``ModelWorker``): forward passes are
+serialised, the session store needs no locks, and the event loop stays free to answer health
+checks, Info and new streams while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from target_service import convert
+from target_service.api import NOT_FINISHED
+from target_service.engine import TargetEngine
+from target_service.errors import (
+    InvalidArgument,
+    SessionExists,
+    SessionNotFound,
+    TargetError,
+    TokenizerMismatch,
+    TooManySessions,
+)
+from tandem.v1 import target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name  # "tandem.v1.TargetService"
+
+_STATUS_CODES: dict[type[TargetError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    SessionExists: grpc.StatusCode.ALREADY_EXISTS,
+    TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TokenizerMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+T = TypeVar("T")
+
+
+class ModelWorker:
+    """The single thread that runs every engine call, in submission order."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Wires requests to a ``TargetEngine``; UNAVAILABLE until one is attached (model loading)."""
+
+    def __init__(self, worker: ModelWorker, engine: TargetEngine | None = None) -> None:
+        self.worker = worker
+        self.engine = engine
+
+    def attach(self, engine: TargetEngine) -> None:
+        self.engine = engine
+
+    async def Info(self, request: target_pb2.TargetServiceInfoRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_engine(context)
+        return convert.info_response(engine.info)
+
+    async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_engine(context)
+        config = convert.session_config(request.params, request.return_hidden_states)
+        result = await self._call(
+            context, engine.prefill, request.session_id, list(request.prompt_token_ids), config,
+            request.tokenizer_fingerprint,
+        )
+        return convert.prefill_response(result)
+
+    async def Verify(
+        self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResponse]:
+        engine = await self._require_engine(context)
+        async for request in request_iterator:
+            verdict = await self._call(context, engine.verify, convert.draft_block(request))
+            yield convert.verify_response(verdict)
+
+    async def Generate(
+        self, request: target_pb2.TargetServiceGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.TargetServiceGenerateResponse]:
+        engine = await self._require_engine(context)
+        if request.max_new_tokens < 0:
+            message = f"max_new_tokens must be >= 0, got {request.max_new_tokens}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        budget = request.max_new_tokens or None  # 0 = until the session finishes
+        # Set when the client goes away, so a step in flight does not commit a token nobody sees.
+        cancelled = threading.Event()
+        sent = 0
+        try:
+            while budget is None or sent < budget:
+                result = await self._call(context, engine.generate, request.session_id, 1, cancelled.is_set)
+                sent += len(result.token_ids)
+                yield convert.generate_response(result)
+                if result.finish_reason != NOT_FINISHED or not result.token_ids:
+                    return
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def Release(self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_engine(context)
+        released = await self._call(context, engine.release, request.session_id)
+        return target_pb2.ReleaseResponse(released=released)
+
+    async def _require_engine(self, context: grpc.aio.ServicerContext) -> TargetEngine:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target model is still loading")
+        return self.engine
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """Runs an engine call on the worker; a refusal becomes its gRPC status, a bug INTERNAL."""
+        try:
+            return await self.worker.run(fn, *args)
+        except TargetError as error:
+            code, message = _STATUS_CODES.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error)
+        except Exception as error:  # a bug, not bad input: report it and keep serving
+            log.exception("target request failed")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        await context.abort(code, message)  # raises: ends the RPC with that status

@@ -1,0 +1,184 @@
+"""Sessions: one sequence each, owned by the target between Prefill and Release.
+
+A session holds the truth about its sequence: the committed tokens and a KV cache that holds
+exactly ``tokens[:-1]`` (the last committed token is fed with the next block or step, so its
+keys are written together with the tokens that follow it). A finished session drops its KV cache
+at once but keeps its record (tokens, finish reason) so late blocks get FINISHED rather than
+NOT_FOUND, until Release or the TTL.
+
+The store is not thread-safe: the engine is only called from one worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from target_service.api import NOT_FINISHED
+from target_service.errors import SessionExists, SessionNotFound, TooManySessions
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything fixed at a session's start (the engine's view of ``SessionParams``)."""
+
+    max_new_tokens: int  # tokens the session may generate, the first one from Prefill included
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 0.0  # 0 or 1 = no top-p
+    top_k: int = 0  # 0 = no top-k
+    seed: int | None = None  # None = a fresh random seed
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    return_hidden_states: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A session's sampling parameters as the batch-of-one tensors the kernels take."""
+
+    temperature: torch.Tensor  # [1] float32
+    top_p: torch.Tensor  # [1] float32
+    top_k: torch.Tensor  # [1] int64
+
+    @classmethod
+    def of(cls, config: SessionConfig, device: str) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([config.temperature], dtype=torch.float32, device=device),
+            top_p=torch.tensor([config.top_p], dtype=torch.float32, device=device),
+            top_k=torch.tensor([config.top_k], dtype=torch.long, device=device),
+        )
+
+
+@dataclass
+class Session:
+    session_id: str
+    config: SessionConfig
+    prompt_len: int
+    tokens: list[int]  # committed: prompt + generated
+    cache: DynamicCache | None  # holds exactly tokens[:-1]; None once finished
+    generator: torch.Generator = field(repr=False)  # seeded from config.seed; all the session's randomness
+    sampling: SamplingTensors = field(repr=False)
+    last_used: float = 0.0
+    finish_reason: int = NOT_FINISHED  # a common_pb2.FinishReason
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the session may still generate."""
+        return self.config.max_new_tokens - self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != NOT_FINISHED
+
+
+def make_generator(seed: int | None, device: str) -> torch.Generator:
+    """The session's generator: ``seed`` makes its tokens reproducible, None draws a fresh seed."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+class SessionStore:
+    """Sessions by id, with a cap on live sessions and expiry after ``ttl_s`` idle seconds.
+
+    ``on_live_change(n)`` is called with the number of live (unfinished) sessions whenever it
+    changes; the engine feeds it to the ``tandem_sessions_active`` gauge.
+    """
+
+    def __init__(
+        self,
+        ttl_s: float,
+        max_live: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_live_change: Callable[[int], None] = lambda live: None,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_live = max_live
+        self.clock = clock
+        self._on_live_change = on_live_change
+        self._sessions: dict[str, Session] = {}
+        self._live = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def check_can_add(self, session_id: str) -> None:
+        """Raises unless a new session of this id may be created (call before costly work)."""
+        self.expire_idle()
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id!r} already exists")
+        if self._live >= self.max_live:
+            raise TooManySessions(f"the target holds {self._live} sessions already (max_sessions={self.max_live})")
+
+    def add(self, session: Session) -> None:
+        self.check_can_add(session.session_id)
+        session.last_used = self.clock()
+        self._sessions[session.session_id] = session
+        self._set_live(self._live + 1)
+
+    def get(self, session_id: str) -> Session:
+        """The session (and marks it used), or SessionNotFound."""
+        session = self._sessions.get(session_id)
+        if session is not None and self._expired(session):
+            self._drop(session)
+            session = None
+        if session is None:
+            raise SessionNotFound(f"unknown session {session_id!r} (never created, released, or expired)")
+        session.last_used = self.clock()
+        return session
+
+    def finish(self, session: Session, reason: int) -> None:
+        """Marks a session finished and frees its KV cache."""
+        if session.finished:
+            return
+        session.finish_reason = reason
+        session.cache = None
+        self._set_live(self._live - 1)
+
+    def release(self, session_id: str) -> bool:
+        """Drops a session; False when there was none (release is idempotent)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        expired = self._expired(session)
+        self._drop(session)
+        return not expired
+
+    def expire_idle(self) -> list[str]:
+        """Drops every session idle for longer than the TTL; returns their ids."""
+        expired = [s for s in self._sessions.values() if self._expired(s)]
+        for session in expired:
+            self._drop(session)
+        return [s.session_id for s in expired]
+
+    def _expired(self, session: Session) -> bool:
+        return self.clock() - session.last_used > self.ttl_s
+
+    def _drop(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        if not session.finished:
+            self._set_live(self._live - 1)
+        session.cache = None
+
+    def _set_live(self, live: int) -> None:
+        self._live = live
+        self._on_live_change(live)

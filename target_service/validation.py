@@ -1,0 +1,90 @@
+"""Input checks, run before any model work so bad input costs nothing and changes nothing.
+
+Each check raises ``InvalidArgument`` with a message that names the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from target_service.api import DraftBlock
+from target_service.errors import InvalidArgument
+from target_service.session import SessionConfig
+
+# A draft's q must sum to 1; float32 rounding of a renormalised top-k stays far inside this.
+Q_SUM_TOLERANCE = 1e-2
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidArgument("session_id is empty")
+
+
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"{field}[{position}] = {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_config(config: SessionConfig, vocab_size: int) -> None:
+    if config.max_new_tokens <= 0:
+        raise InvalidArgument(f"max_new_tokens must be positive, got {config.max_new_tokens}")
+    if math.isnan(config.temperature) or config.temperature < 0 or math.isinf(config.temperature):
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {config.temperature}")
+    if math.isnan(config.top_p) or not 0 <= config.top_p <= 1:
+        raise InvalidArgument(f"top_p must be in [0, 1], got {config.top_p}")
+    if config.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {config.top_k}")
+    check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
+
+
+def check_prefill(
+    session_id: str, prompt_token_ids: Sequence[int], config: SessionConfig, vocab_size: int, max_context_len: int
+) -> None:
+    check_session_id(session_id)
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids is empty")
+    check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+    check_config(config, vocab_size)
+    total = len(prompt_token_ids) + config.max_new_tokens
+    if total > max_context_len:
+        raise InvalidArgument(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) = {total} "
+            f"exceeds the context of {max_context_len} tokens"
+        )
+
+
+def check_block(block: DraftBlock, vocab_size: int) -> None:
+    check_session_id(block.session_id)
+    if block.base_len < 0:
+        raise InvalidArgument(f"base_len must be >= 0, got {block.base_len}")
+    check_token_ids("draft_token_ids", block.draft_token_ids, vocab_size)
+    if not block.draft_probs:
+        return
+    if len(block.draft_probs) != len(block.draft_token_ids):
+        raise InvalidArgument(
+            f"draft_probs has {len(block.draft_probs)} entries for {len(block.draft_token_ids)} draft tokens"
+        )
+    for position, (token, q) in enumerate(zip(block.draft_token_ids, block.draft_probs)):
+        _check_sparse_q(position, token, q.token_ids, q.probs, vocab_size)
+
+
+def _check_sparse_q(
+    position: int, draft_token: int, token_ids: Sequence[int], probs: Sequence[float], vocab_size: int
+) -> None:
+    where = f"draft_probs[{position}]"
+    if len(token_ids) != len(probs):
+        raise InvalidArgument(f"{where} has {len(token_ids)} token_ids but {len(probs)} probs")
+    check_token_ids(f"{where}.token_ids", token_ids, vocab_size)
+    if len(set(token_ids)) != len(token_ids):
+        raise InvalidArgument(f"{where}.token_ids repeats a token")
+    if any(math.isnan(p) or p < 0 or math.isinf(p) for p in probs):
+        raise InvalidArgument(f"{where}.probs must be finite and >= 0")
+    if abs(math.fsum(probs) - 1.0) > Q_SUM_TOLERANCE:
+        raise InvalidArgument(f"{where}.probs sum to {math.fsum(probs):.6f}, not 1")
+    q_draft = dict(zip(token_ids, probs)).get(draft_token, 0.0)
+    if q_draft <= 0:
+        raise InvalidArgument(
+            f"{where} gives the draft token {draft_token} probability 0; a sampled token must be in q's support"
+        )

@@ -1,0 +1,51 @@
+"""Chat formatting: the tokenizer's own template, or the documented plain fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.chat_template import FALLBACK_STOP_STRINGS, ChatFormat, ChatMessage, ChatTemplateError
+from gateway_fakes import tokenizer  # noqa: F401  (fixture)
+
+MESSAGES = [ChatMessage("system", "You are terse."), ChatMessage("user", "Say hello.")]
+
+
+def test_model_without_template_gets_the_plain_fallback(tokenizer):
+    assert not tokenizer.chat_template
+    chat = ChatFormat.for_tokenizer(tokenizer)
+    assert chat.uses_fallback
+    assert chat.render(MESSAGES) == "<bos>System: You are terse.\n\nUser: Say hello.\n\nAssistant:"
+    assert chat.stop_strings == FALLBACK_STOP_STRINGS
+
+
+def test_fallback_prompt_starts_with_bos_once(tokenizer):
+    ids = ChatFormat.for_tokenizer(tokenizer).token_ids(MESSAGES)
+    assert ids[0] == tokenizer.bos_token_id
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=True).endswith("Assistant:")
+
+
+def test_tokenizer_template_is_used_when_present(tokenizer):
+    own = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    templated = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = own
+    chat = ChatFormat.for_tokenizer(templated)
+    assert not chat.uses_fallback and chat.stop_strings == ()
+    assert chat.render(MESSAGES) == "<system>You are terse.<user>Say hello.<assistant>"
+
+
+def test_template_errors_become_chat_template_errors(tokenizer):
+    templated = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        ChatFormat.for_tokenizer(templated).render(MESSAGES)
+
+
+def test_end_of_turn_token_becomes_a_stop_token(tokenizer):
+    assert ChatFormat.for_tokenizer(tokenizer).stop_token_ids == ()
+    with_eot = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    with_eot.add_special_tokens({"additional_special_tokens": ["<end_of_turn>"]})
+    assert ChatFormat.for_tokenizer(with_eot).stop_token_ids == (with_eot.convert_tokens_to_ids("<end_of_turn>"),)

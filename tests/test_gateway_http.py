@@ -1,0 +1,344 @@
+"""The OpenAI-compatible HTTP API against fake target and draft services (real gRPC, port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from gateway.chat_template import ChatFormat, ChatMessage
+from gateway_fakes import SCRIPT_TEXT, fake_stack, stack, tokenizer  # noqa: F401  (fixtures)
+
+CONTRACT_METRICS = [
+    "tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
+    "tandem_spec_decode_num_accepted_tokens_total", "tandem_spec_decode_num_accepted_tokens_per_pos_total",
+    "tandem_spec_decode_acceptance_rate", "tandem_verify_duration_seconds",
+    "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
+    "tandem_e2e_request_latency_seconds", "tandem_session_fallbacks_total", "tandem_sessions_active",
+    "tandem_requests_total",
+]
+SPEC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks"}
+
+
+@pytest.fixture
+async def sdk(stack):
+    """The OpenAI SDK's async client, pointed at the in-process gateway."""
+    async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def model_name(stack) -> str:
+    return stack.gateway.core.model.name
+
+
+def sse_data(body: str) -> list[str]:
+    """The payloads of an SSE body, checking the framing: every event is one `data:` line + blank line."""
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+async def post(stack, path, body=None, raw=None, timeout=10.0):
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=timeout) as client:
+        if raw is not None:
+            return await client.post(path, content=raw, headers={"content-type": "application/json"})
+        return await client.post(path, json=body)
+
+
+async def test_models_health_and_metrics(stack, sdk):
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        models = (await client.get("/v1/models")).json()
+        health = await client.get("/health")
+        metrics = (await client.get("/metrics")).text
+    assert [m["id"] for m in models["data"]] == [model_name(stack)]
+    assert models["data"][0]["max_model_len"] == 128  # adopted from the target's Info
+    assert health.status_code == 200
+    assert health.json()["target"]["serving"] and health.json()["draft"]["serving"]
+    assert [m for m in CONTRACT_METRICS if m not in metrics] == []
+    assert (await sdk.models.list()).data[0].id == model_name(stack)
+    assert (await sdk.models.retrieve(model_name(stack))).id == model_name(stack)
+    with pytest.raises(openai.NotFoundError):
+        await sdk.models.retrieve("no-such-model")
+
+
+async def test_chat_completion_with_the_openai_sdk(stack, tokenizer, sdk):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    response = await sdk.chat.completions.create(
+        model=model_name(stack), messages=messages, max_tokens=60, temperature=0
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == SCRIPT_TEXT
+    assert choice.finish_reason == "stop"
+    usage = response.usage
+    expected_prompt = ChatFormat.for_tokenizer(tokenizer).token_ids([ChatMessage(**m) for m in messages])
+    assert usage.prompt_tokens == len(expected_prompt)
+    assert list(stack.model.speculate_requests[0].token_ids[: len(expected_prompt)]) == expected_prompt
+    assert usage.completion_tokens == len(stack.model.expected_tokens(1000))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.speculative_decoding
+    assert SPEC_KEYS <= set(spec) and spec["mode"] == "speculative" and spec["rounds"] > 0
+    await stack.wait_until_idle()
+
+
+async def test_chat_stream_with_usage_chunk_and_done_last(stack, sdk):
+    stream = await sdk.chat.completions.create(
+        model=model_name(stack), messages=[{"role": "user", "content": "Hi"}], max_tokens=60,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == SCRIPT_TEXT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert SPEC_KEYS <= set(chunks[-1].usage.speculative_decoding)
+    # The raw framing: [DONE] last, after the usage chunk.
+    response = await post(stack, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 3,
+        "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_data(response.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"] == [] and json.loads(events[-2])["usage"]["completion_tokens"] == 3
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    await stack.wait_until_idle()
+
+
+async def test_text_completions_stream_and_not(stack, tokenizer, sdk):
+    whole = await sdk.completions.create(model=model_name(stack), prompt="Once", max_tokens=7, temperature=0)
+    assert whole.choices[0].text == tokenizer.decode(stack.model.expected_tokens(7))
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 7
+    assert whole.usage.speculative_decoding["mode"] == "speculative"
+    stream = await sdk.completions.create(
+        model=model_name(stack), prompt=[5, 6, 7], max_tokens=7, temperature=0, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert list(stack.model.speculate_requests[-1].token_ids[:3]) == [5, 6, 7]
+    await stack.wait_until_idle()
+
+
+async def test_speculation_off_uses_target_generate(stack, sdk):
+    response = await sdk.completions.create(
+        model=model_name(stack), prompt="Once", max_tokens=50, extra_body={"speculation": "off"}
+    )
+    assert response.choices[0].text == SCRIPT_TEXT
+    spec = response.usage.speculative_decoding
+    assert (spec["mode"], spec["rounds"], spec["fallbacks"]) == ("autoregressive", 0, 0)
+    assert [name for name, _ in stack.model.rpcs] == ["Prefill", "Generate", "Release"]
+
+
+async def test_stop_strings_and_extension_fields(stack, sdk):
+    response = await sdk.chat.completions.create(
+        model=model_name(stack), messages=[{"role": "user", "content": "Hi"}], stop=["日本"],
+        extra_body={"num_speculative_tokens": 6, "top_k": 5, "ignore_eos": True}, seed=7,
+    )
+    assert response.choices[0].message.content == "Hello wörld ✓ "
+    assert response.choices[0].finish_reason == "stop"
+    request = stack.model.speculate_requests[-1]
+    assert request.num_speculative_tokens == 6
+    assert (request.params.sampling.top_k, request.params.sampling.seed, request.params.ignore_eos) == (5, 7, True)
+    assert request.params.max_new_tokens == 32  # the gateway's default_max_tokens for chat
+    await stack.wait_until_idle()
+
+
+# Each case: (name, body or raw bytes, param expected in the error or None)
+BAD_HTTP = [
+    ("malformed JSON", b"{not json", None),
+    ("body not an object", b"[1, 2]", None),
+    ("missing prompt", {"max_tokens": 4}, "prompt"),
+    ("wrong type: max_tokens string", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    ("wrong type: stream int", {"prompt": "hi", "stream": 1}, "stream"),
+    ("wrong type: prompt number", {"prompt": 5}, "prompt"),
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("empty token prompt", {"prompt": []}, "prompt"),
+    ("prompt longer than the context", {"prompt": [5] * 128}, "prompt"),
+    ("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("max_tokens absurd", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("temperature -1", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("temperature NaN", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("temperature 3", {"prompt": "hi", "temperature": 3}, "temperature"),
+    ("top_p 0", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("top_p 2", {"prompt": "hi", "top_p": 2}, "top_p"),
+    ("n 2", {"prompt": "hi", "n": 2}, "n"),
+    ("unknown model", {"prompt": "hi", "model": "no-such-model"}, "model"),
+    ("out-of-vocabulary token", {"prompt": [1, 2, 100000]}, "prompt"),
+    ("speculation invalid", {"prompt": "hi", "speculation": "sometimes"}, "speculation"),
+    ("speculation wrong type", {"prompt": "hi", "speculation": True}, "speculation"),
+    ("num_speculative_tokens 0", {"prompt": "hi", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ("num_speculative_tokens 65", {"prompt": "hi", "num_speculative_tokens": 65}, "num_speculative_tokens"),
+    ("top_k -1", {"prompt": "hi", "top_k": -1}, "top_k"),
+    ("ignore_eos not a bool", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+    ("logprobs unsupported", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+]
+BAD_CHAT = [
+    ("missing messages", {"max_tokens": 4}, "messages"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("message without role", {"messages": [{"content": "hi"}]}, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("max_completion_tokens 0", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_tokens"),
+]
+
+
+def _cases():
+    for name, body, param in BAD_HTTP:
+        yield f"completions: {name}", "/v1/completions", body, param
+    for name, body, param in BAD_CHAT:
+        yield f"chat: {name}", "/v1/chat/completions", body, param
+
+
+async def test_bad_input_table_gets_400_openai_errors_and_service_goes_on(stack):
+    for name, path, body, param in _cases():
+        if isinstance(body, bytes):
+            response = await post(stack, path, raw=body)
+        else:
+            response = await post(stack, path, {"model": model_name(stack), **body})
+        assert response.status_code == 400, (name, response.text)
+        assert response.headers["content-type"] == "application/json", name
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], name
+        assert error["param"] == param, (name, error)
+        ok = await post(stack, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert ok.status_code == 200, (name, ok.text)
+    assert stack.metric("tandem_requests_total", status="invalid") == len(BAD_HTTP) + len(BAD_CHAT)
+    await stack.wait_until_idle()
+
+
+async def test_sdk_raises_bad_request_for_unknown_model(stack, sdk):
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.completions.create(model="gpt-4", prompt="hi")
+    assert info.value.body["code"] == "model_not_found"
+
+
+async def test_unknown_route_is_an_openai_error(stack):
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        response = await client.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+async def test_client_disconnect_mid_stream_releases_the_session(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.02) as stack:
+        body = {"prompt": "Go", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                received = 0
+                async for line in response.aiter_lines():
+                    received += line.startswith("data: ")
+                    if received == 3:
+                        break
+        assert stack.sessions_active() <= 1
+        await stack.wait_until_idle()
+        (session_id,) = stack.model.released
+        assert stack.model.cancelled_speculations == [session_id]
+        assert stack.metric("tandem_requests_total", status="abort") == 1
+        assert len(stack.model.speculate_requests) == 1
+
+
+async def test_client_disconnect_during_a_non_stream_request_releases_the_session(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.02) as stack:
+        with pytest.raises(httpx.ReadTimeout):
+            await post(stack, "/v1/completions", {"prompt": "Go", "max_tokens": 100, "ignore_eos": True}, timeout=0.3)
+        await stack.wait_until_idle()
+        assert len(stack.model.released) == 1 and stack.model.cancelled_speculations == stack.model.released
+
+
+async def test_overload_gets_429_and_service_recovers(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.02, max_concurrent_requests=1) as stack:
+        body = {"prompt": "Go", "max_tokens": 20, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as first:
+                lines = first.aiter_lines()
+                await anext(lines)
+                refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                assert refused.status_code == 429
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+                rest = [line async for line in lines if line]
+                assert rest[-1] == "data: [DONE]"
+        await stack.wait_until_idle()
+        ok = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+        assert stack.metric("tandem_requests_total", status="rejected") == 1
+
+
+async def test_draft_down_auto_falls_back_and_on_gets_503(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), draft_up=False) as stack:
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            health = await client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["target"]["serving"] and not health.json()["draft"]["serving"]
+        auto = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 50})
+        assert auto.status_code == 200 and auto.json()["choices"][0]["text"] == SCRIPT_TEXT
+        spec = auto.json()["usage"]["speculative_decoding"]
+        assert (spec["mode"], spec["fallbacks"]) == ("autoregressive", 1)
+        assert stack.metric("tandem_session_fallbacks_total", reason="draft_unavailable") == 1
+        on = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "speculation": "on"})
+        assert on.status_code == 503
+        assert "draft service" in on.json()["error"]["message"]
+        await stack.wait_until_idle()
+        assert len(stack.model.released) == 2
+
+
+async def test_target_down_gets_503(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), target_address="127.0.0.1:1") as stack:
+        response = await post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 503
+        assert "target service at 127.0.0.1:1 is unavailable" in response.json()["error"]["message"]
+        assert stack.sessions_active() == 0 and stack.gateway.core.admission.in_flight == 0
+
+
+async def test_upstream_error_mid_stream_sends_an_error_event_then_done(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), draft_fails_after_rounds=1) as stack:
+        response = await post(stack, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "stream": True, "speculation": "on"})
+        events = sse_data(response.text)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "fake draft broke down" in error["message"]
+        assert any(json.loads(e).get("choices", [{}])[0].get("delta", {}).get("content") for e in events[1:-2])
+        await stack.wait_until_idle()
+        ok = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 50, "speculation": "off"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == SCRIPT_TEXT
+        assert stack.metric("tandem_requests_total", status="error") == 1
+
+
+async def test_concurrent_requests_are_independent(stack, sdk):
+    results = await asyncio.gather(*[
+        sdk.completions.create(model=model_name(stack), prompt="Once", max_tokens=n) for n in (3, 9, 27)
+    ])
+    assert [r.usage.completion_tokens for r in results] == [3, 9, 27]
+    await stack.wait_until_idle()
+    assert len(set(stack.model.released)) == 3
+
+
+async def test_stopping_the_gateway_ends_streams_cleanly_and_releases_sessions(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.02) as stack:
+        body = {"prompt": "Go", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                await anext(lines)
+                stopping = asyncio.ensure_future(stack.gateway.stop(grace=0.1))
+                rest = [line async for line in lines if line]
+                await stopping
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["message"] == "the gateway is shutting down" and error["code"] == "shutting_down"
+        assert len(stack.model.released) == 1 and not stack.model.sessions and stack.sessions_active() == 0
+
+
+async def test_tokenizer_mismatch_is_reported_and_refused(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir)) as stack:
+        stack.model.fingerprint = "0" * 32  # the target now tokenizes differently
+        async with httpx.AsyncClient(base_url=stack.base_url) as client:
+            health = await client.get("/health")
+        assert health.status_code == 503
+        detail = health.json()["target"]["detail"]
+        assert "tokenizer mismatch" in detail and model_name(stack) in detail and "fake-target" in detail
+        response = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 502
+        assert "tokenizer fingerprint mismatch" in response.json()["error"]["message"]

@@ -1,0 +1,337 @@
+"""TargetEngine without gRPC: greedy losslessness, the stale-block protocol, finishing, TTL,
+hidden states and metrics, on tiny random Llama and Gemma 3 (sliding window 8) targets."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
+from target_service.engine import TargetEngine
+from target_service.errors import InvalidArgument, SessionNotFound, TokenizerMismatch
+from target_service.session import SessionConfig
+from tandem.metrics import make_metrics
+from tandem.models import load_model
+from tandem.v1 import common_pb2
+
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+PROMPT_LEN = 20  # longer than the tiny Gemma's sliding window (8)
+NEW_TOKENS = 40
+
+Drafter = Callable[[list[int], int], list[int]]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir):
+    return load_model(str(tiny_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_gemma_dir):
+    return load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_draft_dir):
+    return load_model(str(tiny_draft_dir), device="cpu", dtype="float32").model
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def target(request, llama, gemma):
+    return llama if request.param == "llama" else gemma
+
+
+def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding, without stopping at EOS."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy(max_new_tokens: int = NEW_TOKENS, **kwargs) -> SessionConfig:
+    return SessionConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **kwargs)
+
+
+def speculate(engine: TargetEngine, session_id: str, drafter: Drafter, k: int, generate_every: int = 0) -> list[int]:
+    """Drives a session to its finish with draft blocks (and some Generate calls); returns the
+    generated tokens, checking the verdict invariants on the way."""
+    session = engine.store.get(session_id)
+    rounds = 0
+    while not session.finished:
+        rounds += 1
+        if generate_every and rounds % generate_every == 0:
+            result = engine.generate(session_id, 2)
+            assert result.committed_len == session.committed_len
+            continue
+        before = session.committed_len
+        drafts = drafter(list(session.tokens), k)
+        verdict = engine.verify(DraftBlock(session_id, before, tuple(drafts), block_id=rounds))
+        assert verdict.status == OK and verdict.block_id == rounds
+        assert list(verdict.committed_token_ids[: verdict.num_accepted]) == drafts[: verdict.num_accepted]
+        assert verdict.committed_len == before + len(verdict.committed_token_ids) == session.committed_len
+        if not session.finished:
+            assert len(verdict.committed_token_ids) == verdict.num_accepted + 1
+            assert session.cache.get_seq_length() == session.committed_len - 1  # the engine's invariant
+    return session.tokens[session.prompt_len :]
+
+
+def random_drafter(seed: int) -> Drafter:
+    rng = random.Random(seed)
+    return lambda tokens, k: [rng.randrange(300) for _ in range(rng.randint(0, k))]
+
+
+def oracle_drafter(prompt: list[int], reference: list[int]) -> Drafter:
+    """The target's own greedy continuation: every block is fully accepted."""
+    return lambda tokens, k: reference[len(tokens) - len(prompt) :][:k]
+
+
+def model_drafter(model) -> Drafter:
+    """A second tiny model's greedy continuation (different weights: partial acceptance)."""
+
+    @torch.inference_mode()
+    def draft(tokens: list[int], k: int) -> list[int]:
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=k, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(tokens) :].tolist()
+
+    return draft
+
+
+# --------------------------------------------------------------------------- greedy losslessness
+
+
+@pytest.mark.parametrize("drafter_kind", ["random", "draft-model", "oracle"])
+def test_greedy_verify_equals_transformers_generate(target, draft_model, drafter_kind) -> None:
+    engine = TargetEngine(target)
+    prompt = _prompt(0)
+    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    drafter = {
+        "random": random_drafter(1),
+        "draft-model": model_drafter(draft_model),
+        "oracle": oracle_drafter(prompt, reference),
+    }[drafter_kind]
+    first = engine.prefill("s", prompt, greedy())
+    assert first.token_id == reference[0] and first.committed_len == PROMPT_LEN + 1
+    assert speculate(engine, "s", drafter, k=4) == reference
+    assert engine.store.get("s").finish_reason == LENGTH
+
+
+def test_oracle_blocks_are_fully_accepted(llama) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(1)
+    reference = hf_greedy(llama.model, prompt, 16)
+    engine.prefill("s", prompt, greedy(16))
+    verdict = engine.verify(DraftBlock("s", PROMPT_LEN + 1, tuple(reference[1:6])))
+    assert verdict.num_accepted == 5 and list(verdict.committed_token_ids) == reference[1:7]
+
+
+def test_mixed_verify_and_generate_in_one_session(target, draft_model) -> None:
+    engine = TargetEngine(target)
+    prompt = _prompt(2)
+    engine.prefill("s", prompt, greedy())
+    tokens = speculate(engine, "s", model_drafter(draft_model), k=3, generate_every=2)
+    assert tokens == hf_greedy(target.model, prompt, NEW_TOKENS)
+
+
+def test_generate_alone_equals_transformers_generate(target) -> None:
+    engine = TargetEngine(target)
+    prompt = _prompt(3)
+    engine.prefill("s", prompt, greedy(12))
+    result = engine.generate("s", 100)  # capped by the session's budget
+    assert result.finish_reason == LENGTH and result.committed_len == PROMPT_LEN + 12
+    assert engine.store.get("s").tokens[PROMPT_LEN:] == hf_greedy(target.model, prompt, 12)
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def test_stale_blocks_leave_the_session_untouched(llama) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(4)
+    reference = hf_greedy(llama.model, prompt, NEW_TOKENS)
+    engine.prefill("s", prompt, greedy())
+    engine.verify(DraftBlock("s", PROMPT_LEN + 1, tuple(reference[1:4])))  # commits 4 tokens
+    session = engine.store.get("s")
+    committed, cache_len = list(session.tokens), session.cache.get_seq_length()
+    n = len(committed)
+    drafts = tuple(reference[n - PROMPT_LEN : n - PROMPT_LEN + 3])
+    stale_blocks = [
+        DraftBlock("s", n + 1, drafts),  # base_len past the end
+        DraftBlock("s", n - 1, drafts),  # base_len short, nothing assumed
+        DraftBlock("s", n - 2, drafts, assumed_token_ids=(committed[-2], committed[-1] + 1)),  # wrong assumption
+        DraftBlock("s", n - 1, drafts, assumed_token_ids=(committed[-1], 7)),  # assumes a token not committed
+    ]
+    for block in stale_blocks:
+        verdict = engine.verify(block)
+        assert (verdict.status, verdict.committed_len, verdict.committed_token_ids) == (STALE, n, ())
+        assert session.tokens == committed and session.cache.get_seq_length() == cache_len
+    # A pipelined block naming the right assumed tokens is verified as usual.
+    verdict = engine.verify(DraftBlock("s", n - 2, drafts, assumed_token_ids=tuple(committed[-2:])))
+    assert verdict.status == OK and verdict.num_accepted == 3
+    engine.generate("s", 100)
+    assert session.tokens[PROMPT_LEN:] == reference
+
+
+def test_stop_token_cuts_the_verdict_and_finishes(llama) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(5)
+    reference = hf_greedy(llama.model, prompt, NEW_TOKENS)
+    stop = reference[3]
+    end = reference.index(stop) + 1
+    engine.prefill("s", prompt, greedy(stop_token_ids=(stop,)))
+    verdict = engine.verify(DraftBlock("s", PROMPT_LEN + 1, tuple(reference[1:8])))
+    assert verdict.finish_reason == STOP
+    assert list(verdict.committed_token_ids) == reference[1:end]  # the stop token included, nothing after
+    assert verdict.num_accepted == len(verdict.committed_token_ids)  # all of them were draft tokens
+    session = engine.store.get("s")
+    assert session.cache is None and engine.store.live == 0  # a finished session frees its KV cache
+    late = engine.verify(DraftBlock("s", verdict.committed_len, (1, 2)))
+    assert (late.status, late.finish_reason, late.committed_len) == (FINISHED, STOP, verdict.committed_len)
+    done = engine.generate("s", 5)
+    assert (done.token_ids, done.finish_reason) == ((), STOP)
+    assert engine.release("s") is True and engine.release("s") is False
+
+
+def test_eos_finishes_unless_ignored(tiny_dir) -> None:
+    loaded = load_model(str(tiny_dir), device="cpu", dtype="float32")
+    prompt = _prompt(6)
+    reference = hf_greedy(loaded.model, prompt, 10)
+    loaded.model.generation_config.eos_token_id = reference[0]  # the very first token is now an EOS
+    engine = TargetEngine(loaded)
+    assert reference[0] in engine.info.eos_token_ids
+    first = engine.prefill("eos", prompt, SessionConfig(max_new_tokens=10))
+    assert (first.token_id, first.finish_reason, first.committed_len) == (reference[0], STOP, PROMPT_LEN + 1)
+    kept = engine.prefill("ignored", prompt, SessionConfig(max_new_tokens=10, ignore_eos=True))
+    assert kept.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def test_max_new_tokens_budget(llama) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(7)
+    reference = hf_greedy(llama.model, prompt, 7)
+    only = engine.prefill("one", prompt, greedy(1))
+    assert only.finish_reason == LENGTH and only.committed_len == PROMPT_LEN + 1
+    engine.prefill("s", prompt, greedy(7))
+    first = engine.verify(DraftBlock("s", PROMPT_LEN + 1, tuple(reference[1:5])))  # 4 accepted + bonus
+    assert first.committed_len == PROMPT_LEN + 6 and first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    # 1 token of budget left: the block is verified no further than that, the token is a bonus.
+    last = engine.verify(DraftBlock("s", PROMPT_LEN + 6, (reference[6], 9, 9, 9)))
+    assert (last.num_accepted, list(last.committed_token_ids), last.finish_reason) == (0, [reference[6]], LENGTH)
+    assert engine.store.get("s").tokens[PROMPT_LEN:] == reference
+
+
+def test_generate_cancelled_mid_step_commits_nothing(llama) -> None:
+    engine = TargetEngine(llama)
+    engine.prefill("s", _prompt(8), greedy())
+    session = engine.store.get("s")
+    before = (list(session.tokens), session.cache.get_seq_length())
+    result = engine.generate("s", 3, cancelled=lambda: True)
+    assert result.token_ids == () and (session.tokens, session.cache.get_seq_length()) == before
+
+
+# --------------------------------------------------------------------------- sessions, metrics, hidden states
+
+
+def test_ttl_release_and_sessions_active_gauge(llama) -> None:
+    now = [0.0]
+    metrics = make_metrics("target")
+    engine = TargetEngine(llama, session_ttl_s=30.0, metrics=metrics, clock=lambda: now[0])
+    gauge = metrics.sessions_active.labels(mode="target")
+    engine.prefill("a", _prompt(9), greedy())
+    engine.prefill("b", _prompt(10), greedy())
+    assert gauge._value.get() == 2
+    now[0] = 20.0
+    engine.generate("b", 1)
+    now[0] = 40.0
+    assert engine.expire_idle() == ["a"] and gauge._value.get() == 1
+    with pytest.raises(SessionNotFound):
+        engine.verify(DraftBlock("a", PROMPT_LEN + 1, (1,)))
+    assert engine.release("b") is True and gauge._value.get() == 0
+    assert engine.release("b") is False
+
+
+def test_verify_metrics(llama) -> None:
+    metrics = make_metrics("target")
+    engine = TargetEngine(llama, metrics=metrics)
+    prompt = _prompt(11)
+    reference = hf_greedy(llama.model, prompt, NEW_TOKENS)
+    engine.prefill("s", prompt, greedy())
+    engine.verify(DraftBlock("s", PROMPT_LEN + 1, (*reference[1:3], (reference[3] + 1) % 300, 5)))
+    engine.verify(DraftBlock("s", PROMPT_LEN + 1, (1, 2)))  # stale: not a round
+    assert metrics.num_drafts._value.get() == 1
+    assert (metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()) == (4, 2)
+    samples = {s.name: s.value for s in metrics.verify_duration.collect()[0].samples}
+    assert samples["tandem_verify_duration_seconds_count"] == 1
+
+
+def test_hidden_states_of_positions_written_to_the_cache(target) -> None:
+    engine = TargetEngine(target)
+    prompt = _prompt(12)
+    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    hidden_size = engine.info.hidden_size
+    first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
+    assert first.hidden_states.shape == (PROMPT_LEN, hidden_size)
+    verdict = engine.verify(DraftBlock("s", PROMPT_LEN + 1, (*reference[1:3], (reference[3] + 1) % 300)))
+    n = len(verdict.committed_token_ids)
+    assert n == 3 and verdict.hidden_states.shape == (n, hidden_size)
+    with torch.inference_mode():  # the same states as one fresh pass over the sequence
+        out = target.model(torch.tensor([prompt + reference[:n]]), output_hidden_states=True)
+    fresh = out.hidden_states[-1][0]  # [PROMPT_LEN + n, hidden]
+    torch.testing.assert_close(first.hidden_states, fresh[:PROMPT_LEN], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(verdict.hidden_states, fresh[PROMPT_LEN:], atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_is_reproducible_per_seed(llama) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(13)
+
+    def run(session_id: str, seed: int) -> list[int]:
+        config = SessionConfig(max_new_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
+        engine.prefill(session_id, prompt, config)
+        q = SparseQ((7, 9), (0.5, 0.5))
+        engine.verify(DraftBlock(session_id, PROMPT_LEN + 1, (7, 9), draft_probs=(q, q)))
+        engine.generate(session_id, 100)
+        return engine.store.get(session_id).tokens[PROMPT_LEN:]
+
+    assert run("a", 5) == run("b", 5)
+    assert run("c", 5) != run("d", 6)
+
+
+def test_refusals(llama) -> None:
+    engine = TargetEngine(llama)
+    with pytest.raises(TokenizerMismatch) as mismatch:
+        engine.prefill("s", [5, 6], greedy(), tokenizer_fingerprint="f" * 32)
+    message = str(mismatch.value)
+    assert engine.info.model_name in message and engine.info.tokenizer_fingerprint in message and "f" * 32 in message
+    engine.prefill("s", [5, 6], greedy(), tokenizer_fingerprint=engine.info.tokenizer_fingerprint)
+    with pytest.raises(InvalidArgument, match="probability 0"):
+        engine.verify(DraftBlock("s", 3, (4,), draft_probs=(SparseQ((5,), (1.0,)),)))
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.prefill("t", [5, 300], greedy())
+
+
+def test_a_failed_forward_pass_drops_only_that_session(llama, monkeypatch) -> None:
+    engine = TargetEngine(llama)
+    prompt = _prompt(14)
+    engine.prefill("broken", prompt, greedy())
+    engine.prefill("fine", prompt, greedy())
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "model", out_of_memory)
+        with pytest.raises(RuntimeError):
+            engine.verify(DraftBlock("broken", PROMPT_LEN + 1, (1, 2)))
+    with pytest.raises(SessionNotFound):  # its cache may be half-written: it is gone
+        engine.generate("broken", 1)
+    assert engine.generate("fine", 3).committed_len == PROMPT_LEN + 4
+    assert engine.store.live == 1

@@ -1,0 +1,136 @@
+"""Sampling losslessness through the engine: speculative sessions produce exactly the target's
+distribution over sequences.
+
+A random Llama with a 5-token vocabulary is the target. Each trial prefills a fresh session (its
+own seed), sends one block of 2 draft tokens sampled from a sparse q (different from p, partly
+outside p's support), and generates until 3 tokens are committed. The empirical joint
+distribution of those 3 tokens (125 cells) is compared with the exact joint computed from full
+forward passes: chi-square goodness of fit (cells expecting < 5 pooled) with p-value > 1e-3, and
+total variation below 1.5x the mean TV of an exact sampler at that sample size. Seeds are fixed,
+so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from kernels.reference import target_probs
+from target_service.api import OK, DraftBlock, SparseQ
+from target_service.engine import TargetEngine
+from target_service.session import SessionConfig
+from tandem.models import LoadedModel
+
+VOCAB = 5
+PROMPT = [1, 4, 2, 3]
+TRIALS = 2500
+# The draft's q at block positions 1 and 2: sparse, and unlike the target's p.
+Q = (SparseQ((0, 1, 2), (0.5, 0.3, 0.2)), SparseQ((3, 4), (0.7, 0.3)))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tiny_dir: Path) -> LoadedModel:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # spread the logits so p is far from uniform
+        model.lm_head.weight.mul_(10.0)
+    # Any tokenizer will do for the fingerprint; the vocabulary comes from the model config.
+    return LoadedModel("vocab5", model, AutoTokenizer.from_pretrained(tiny_dir), tiny_dir, "float32", "cpu")
+
+
+def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """P(t1, t2, t3) after PROMPT, [VOCAB, VOCAB, VOCAB], from uncached forward passes."""
+    params = (torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]))
+
+    @torch.inference_mode()
+    def p(prefix: list[int]) -> np.ndarray:
+        logits = model(torch.tensor([PROMPT + prefix])).logits[:, -1:]  # [1, 1, vocab]
+        return target_probs(logits, *params)[0, 0].double().numpy()
+
+    joint = np.zeros((VOCAB,) * 3)
+    p1 = p([])
+    for t1 in range(VOCAB):
+        p2 = p([t1])
+        for t2 in range(VOCAB):
+            joint[t1, t2] = p1[t1] * p2[t2] * p([t1, t2])
+    return joint
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of passes of a 1-layer model: one thread is faster than two (no OpenMP barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """Counts of the first 3 generated tokens over TRIALS speculative sessions."""
+    rng = random.Random(0)
+    counts = np.zeros((VOCAB,) * 3)
+    for trial in range(TRIALS):
+        config = SessionConfig(
+            max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial, ignore_eos=True
+        )
+        first = engine.prefill("s", PROMPT, config)
+        drafts = tuple(rng.choices(q.token_ids, weights=q.probs)[0] for q in Q)
+        verdict = engine.verify(DraftBlock("s", first.committed_len, drafts, draft_probs=Q))
+        assert verdict.status == OK
+        engine.generate("s", 3)
+        tokens = engine.store.get("s").tokens[len(PROMPT) :]
+        counts[tuple(tokens)] += 1
+        engine.release("s")
+    return counts
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k",
+    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
+)
+def test_speculative_sampling_matches_the_target_distribution(
+    small_vocab_target, one_thread, temperature, top_p, top_k
+) -> None:
+    engine = TargetEngine(small_vocab_target)
+    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
+    counts = sample_sequences(engine, temperature, top_p, top_k).ravel()
+    assert counts.sum() == TRIALS
+    assert counts[expected == 0].sum() == 0, "a sequence the target cannot produce was produced"
+
+    expected_counts = expected * TRIALS
+    big = expected_counts >= 5
+    small = (expected_counts < 5) & (expected > 0)  # pooled into one cell
+    observed, wanted = counts[big], expected_counts[big]
+    if small.any():
+        observed = np.append(observed, counts[small].sum())
+        wanted = np.append(wanted, expected_counts[small].sum())
+    wanted = wanted * observed.sum() / wanted.sum()  # float32 probabilities: make the totals agree exactly
+    p_value = chisquare(observed, wanted).pvalue
+
+    tv = 0.5 * np.abs(counts / TRIALS - expected).sum()
+    mean_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * TRIALS)) for p in expected)
+    assert p_value > 1e-3 and tv < 1.5 * mean_tv, f"chi-square p={p_value:.2e}, TV={tv:.4f} (exact ~{mean_tv:.4f})"
+    # The test has power: the target spreads over many sequences, and committing the draft
+    # tokens unconditionally (t2 ~ q_1, t3 ~ q_2) would be far outside the TV bound.
+    assert abs(expected.sum() - 1) < 1e-6 and (expected > 0.01).sum() >= 20
+    naive = np.einsum("a,b,c->abc", expected.reshape((VOCAB,) * 3).sum((1, 2)), *(_dense(q) for q in Q)).ravel()
+    assert 0.5 * np.abs(naive - expected).sum() > 3 * mean_tv
+
+
+def _dense(q: SparseQ) -> np.ndarray:
+    dense = np.zeros(VOCAB)
+    dense[list(q.token_ids)] = q.probs
+    return dense
+

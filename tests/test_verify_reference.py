@@ -1,0 +1,268 @@
+"""The PyTorch reference of chain verification and of the target distribution p.
+
+Deterministic cases pin the greedy rule and the tensor plumbing; the statistical cases check that
+one block of rejection sampling commits tokens distributed exactly as p (speculative sampling is
+lossless), for a dense q and for a one-hot q, at temperature 1 and with top-k / top-p.
+
+Statistical bound: for each checked distribution (<= 8 categories, n >= 5000 draws) we require a
+chi-square goodness-of-fit p-value > 1e-3 and a total variation distance below 4x the TV an exact
+sampler has on average at that n (about 0.5 * sum_i sqrt(2 p_i (1 - p_i) / (pi n)); 0.02 at
+n = 5000, 0.007 at n = 40000). Seeds are fixed, so the tests are deterministic; each case also
+asserts that the naive sampler (always commit the draft token) would break the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from kernels.reference import (
+    draw_exponentials,
+    draw_uniforms,
+    exponential_race,
+    sample_tokens,
+    target_probs,
+    verify_chain,
+)
+
+P_VALUE_FLOOR = 1e-3
+TV_SLACK = 4.0
+MIN_SAMPLES = 5000
+
+
+def _params(batch: int, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0):
+    return (
+        torch.full((batch,), temperature),  # [batch]
+        torch.full((batch,), top_p),  # [batch]
+        torch.full((batch,), top_k, dtype=torch.long),  # [batch]
+    )
+
+
+def _one_hot_q(draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic drafter's q: ``draft`` [batch, k] -> q_ids, q_probs [batch, k, 1]."""
+    return draft[..., None], torch.ones(*draft.shape, 1)
+
+
+def _greedy_verify(logits: torch.Tensor, draft: torch.Tensor):
+    batch, k_plus_1, vocab = logits.shape
+    q_ids, q_probs = _one_hot_q(draft)
+    return verify_chain(
+        logits, draft, q_ids, q_probs, *_params(batch),
+        torch.ones(batch, k_plus_1 - 1), torch.ones(batch, vocab),
+    )
+
+
+# --------------------------------------------------------------------------- greedy, deterministic
+
+
+@pytest.mark.parametrize("vocab", [7, 257])
+def test_greedy_full_zero_and_partial_acceptance(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    k = 4
+    logits = torch.randn(3, k + 1, vocab)  # [3, k+1, vocab]
+    argmax = logits.argmax(-1)  # [3, k+1]
+    draft = argmax[:, :k].clone()  # [3, k]: row 0 all right
+    draft[1, 0] = (argmax[1, 0] + 1) % vocab  # row 1 wrong at once
+    draft[2, 2] = (argmax[2, 2] + 1) % vocab  # row 2 wrong at position 2
+    num_accepted, token = _greedy_verify(logits, draft)
+    assert num_accepted.tolist() == [k, 0, 2]
+    # Bonus = argmax of the last row; corrections = argmax at the first mismatch.
+    assert token.tolist() == [argmax[0, k].item(), argmax[1, 0].item(), argmax[2, 2].item()]
+
+
+def test_greedy_k1_and_k0() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 2, 11)  # [2, 2, 11]
+    argmax = logits.argmax(-1)  # [2, 2]
+    draft = torch.stack([argmax[0, 0], (argmax[1, 0] + 3) % 11])[:, None]  # [2, 1]
+    num_accepted, token = _greedy_verify(logits, draft)
+    assert num_accepted.tolist() == [1, 0]
+    assert token.tolist() == [argmax[0, 1].item(), argmax[1, 0].item()]
+
+    empty = torch.zeros(2, 0, dtype=torch.long)  # [2, 0]: no draft at all -> just the bonus token
+    num_accepted, token = _greedy_verify(logits[:, :1], empty)
+    assert num_accepted.tolist() == [0, 0]
+    assert token.tolist() == argmax[:, 0].tolist()
+
+
+def test_greedy_accepts_by_argmax_whatever_q_says() -> None:
+    torch.manual_seed(2)
+    vocab, k = 9, 3
+    logits = torch.randn(1, k + 1, vocab)
+    draft = logits.argmax(-1)[:, :k]  # [1, k]
+    # A dense q that gives the draft tokens tiny probability changes nothing for greedy rows.
+    q_ids = torch.arange(vocab).expand(1, k, vocab)  # [1, k, vocab]
+    q_probs = torch.full((1, k, vocab), 1.0 / vocab)
+    num_accepted, token = verify_chain(
+        logits, draft, q_ids, q_probs, *_params(1), torch.full((1, k), 0.999), torch.ones(1, vocab)
+    )
+    assert num_accepted.item() == k and token.item() == logits[0, k].argmax().item()
+
+
+def test_ragged_blocks_and_mixed_greedy_and_sampled_rows() -> None:
+    torch.manual_seed(3)
+    vocab, k = 13, 4
+    logits = torch.randn(3, k + 1, vocab)
+    argmax = logits.argmax(-1)
+    draft = argmax[:, :k].clone()  # every draft token is the argmax
+    num_draft = torch.tensor([4, 2, 0])  # row 1 has a block of 2, row 2 an empty block
+    q_ids, q_probs = _one_hot_q(draft)
+    temperature = torch.tensor([0.0, 0.0, 1.0])
+    num_accepted, token = verify_chain(
+        logits, draft, q_ids, q_probs, temperature, torch.zeros(3), torch.zeros(3, dtype=torch.long),
+        torch.ones(3, k), draw_exponentials((3, vocab), torch.Generator().manual_seed(0)), num_draft,
+    )
+    assert num_accepted.tolist() == [4, 2, 0]
+    # Padding past a block's end is never accepted and the bonus comes from the row after it.
+    assert token[:2].tolist() == [argmax[0, 4].item(), argmax[1, 2].item()]
+    assert 0 <= token[2].item() < vocab
+
+
+def test_low_precision_logits_are_computed_in_float32() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(2, 3, 50)
+    draft = logits.argmax(-1)[:, :2]
+    expected = _greedy_verify(logits, draft)
+    got = _greedy_verify(logits.to(torch.bfloat16), logits.to(torch.bfloat16).argmax(-1)[:, :2])
+    assert got[0].tolist() == expected[0].tolist() == [2, 2]
+
+
+def test_sampling_is_reproducible_from_a_seed() -> None:
+    torch.manual_seed(5)
+    vocab, k, batch = 10, 3, 64
+    logits = torch.randn(batch, k + 1, vocab)
+    draft = torch.randint(0, vocab, (batch, k))
+    q_ids, q_probs = _one_hot_q(draft)
+
+    def run(seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        return verify_chain(
+            logits, draft, q_ids, q_probs, *_params(batch, temperature=1.0),
+            draw_uniforms((batch, k), generator), draw_exponentials((batch, vocab), generator),
+        )
+
+    first, again, other = run(7), run(7), run(8)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not (torch.equal(first[0], other[0]) and torch.equal(first[1], other[1]))
+
+
+# --------------------------------------------------------------------------- the distribution p
+
+
+def test_target_probs_truncation_and_greedy() -> None:
+    logits = torch.tensor([[[3.0, 1.0, 2.0, 0.0, -1.0]]]).expand(5, 1, 5)  # [5, 1, 5]
+    temperature = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.5])
+    top_p = torch.tensor([0.0, 0.0, 0.0, 0.8, 1.0])
+    top_k = torch.tensor([0, 0, 2, 0, 0])
+    p = target_probs(logits, temperature, top_p, top_k)[:, 0]  # [5, 5]
+    torch.testing.assert_close(p.sum(-1), torch.ones(5))
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # greedy: one-hot argmax
+    torch.testing.assert_close(p[1], torch.softmax(logits[1, 0], -1))
+    torch.testing.assert_close(p[2], torch.softmax(torch.tensor([3.0, float("-inf"), 2.0, -1e9, -1e9]), -1))
+    # softmax = [.64, .09, .24, .03, .01]: the smallest prefix reaching 0.8 is {0, 2}.
+    assert (p[3] > 0).tolist() == [True, False, True, False, False]
+    torch.testing.assert_close(p[4], torch.softmax(logits[4, 0] / 0.5, -1))  # top_p = 1 keeps all
+
+
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([[[5.0, 0.0, 0.0]]])
+    p = target_probs(logits, torch.tensor([1.0]), torch.tensor([0.01]), torch.tensor([0]))
+    assert p[0, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - probs).abs().sum().item()
+
+
+def _tv_bound(probs: torch.Tensor, n: int) -> float:
+    """TV_SLACK x the mean TV of an exact sampler's empirical distribution from n draws."""
+    probs = probs.double()
+    return TV_SLACK * 0.5 * torch.sqrt(2 * probs * (1 - probs) / (torch.pi * n)).sum().item()
+
+
+def _assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor, label: str) -> None:
+    """``samples`` [n] int64 are draws from ``probs`` [vocab] (chi-square and TV, see module doc)."""
+    vocab = probs.shape[0]
+    counts = torch.bincount(samples, minlength=vocab).double()  # [vocab]
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"{label}: tokens outside p's support were committed"
+    expected = probs[support].double() * counts.sum()
+    p_value = chisquare(counts[support].numpy(), expected.numpy() * (counts.sum() / expected.sum()).item()).pvalue
+    tv, bound = _tv(counts, probs.double()), _tv_bound(probs, samples.numel())
+    assert p_value > P_VALUE_FLOOR and tv < bound, f"{label}: chi-square p={p_value:.2e}, TV={tv:.4f} >= {bound:.4f}"
+
+
+CASES = [  # (temperature, top_p, top_k)
+    pytest.param(1.0, 0.0, 0, id="t1"),
+    pytest.param(1.0, 0.0, 3, id="t1-topk3"),
+    pytest.param(1.0, 0.7, 0, id="t1-topp0.7"),
+    pytest.param(0.8, 0.9, 5, id="t0.8-topp0.9-topk5"),
+]
+
+
+@pytest.mark.parametrize("dense_q", [True, False], ids=["dense-q", "one-hot-q"])
+@pytest.mark.parametrize("temperature, top_p, top_k", CASES)
+def test_rejection_sampling_reproduces_p(dense_q: bool, temperature: float, top_p: float, top_k: int) -> None:
+    """Blocks of k=2: the first committed token ~ p_0; given d_1 accepted, the second ~ p_1; given
+    both accepted, the bonus ~ p_2."""
+    vocab, k, n = 8, 2, 160_000
+    generator = torch.Generator().manual_seed(1234)
+    row_logits = 1.5 * torch.randn(k + 1, vocab, generator=generator)  # [k+1, vocab]
+    logits = row_logits.expand(n, k + 1, vocab)  # [n, k+1, vocab]
+    temps, top_ps, top_ks = _params(n, temperature, top_p, top_k)
+    p = target_probs(row_logits[None], temps[:1], top_ps[:1], top_ks[:1])[0]  # [k+1, vocab]
+
+    if dense_q:  # a draft that samples its own (different) distribution at each position
+        q_rows = torch.softmax(1.5 * torch.randn(k, vocab, generator=generator), -1)  # [k, vocab]
+        draft = torch.stack([torch.multinomial(q_rows[j], n, replacement=True, generator=generator) for j in range(k)], 1)
+        q_ids = torch.arange(vocab).expand(n, k, vocab)  # [n, k, vocab]
+        q_probs = q_rows.expand(n, k, vocab)  # [n, k, vocab]
+    else:  # a deterministic drafter always proposing the same tokens: the target's 2nd choice, then its 1st
+        fixed = torch.stack([p[0].argsort(descending=True)[1], p[1].argmax()])  # [k]
+        q_rows = torch.nn.functional.one_hot(fixed, vocab).float()  # [k, vocab]
+        draft = fixed.expand(n, k)  # [n, k]
+        q_ids, q_probs = _one_hot_q(draft)
+
+    num_accepted, token = verify_chain(
+        logits, draft, q_ids, q_probs, temps, top_ps, top_ks,
+        draw_uniforms((n, k), generator), draw_exponentials((n, vocab), generator),
+    )
+    first = torch.where(num_accepted >= 1, draft[:, 0], token)  # [n]
+    _assert_distributed_as(first, p[0], "first token")
+    reached = num_accepted >= 1  # [n]
+    assert reached.sum() >= MIN_SAMPLES, "too few accepted first tokens to test the second position"
+    second = torch.where(num_accepted[reached] == 2, draft[reached, 1], token[reached])
+    _assert_distributed_as(second, p[1], "second token")
+    bonus = token[num_accepted == 2]
+    assert bonus.numel() >= MIN_SAMPLES, "too few fully accepted blocks to test the bonus token"
+    _assert_distributed_as(bonus, p[2], "bonus token")
+    # Power: committing the draft token unconditionally would be far outside the bound.
+    assert 0.5 * (q_rows[0] - p[0]).abs().sum().item() > 3 * _tv_bound(p[0], n)
+
+
+def test_sample_tokens_and_exponential_race_draw_p() -> None:
+    vocab, n = 8, 60_000
+    generator = torch.Generator().manual_seed(99)
+    row = torch.randn(vocab, generator=generator)
+    temps, top_ps, top_ks = _params(n, 1.0, 0.9, 6)
+    tokens = sample_tokens(row.expand(n, vocab), temps, top_ps, top_ks, draw_exponentials((n, vocab), generator))
+    p = target_probs(row[None, None], temps[:1], top_ps[:1], top_ks[:1])[0, 0]
+    _assert_distributed_as(tokens, p, "sample_tokens")
+
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0])  # unnormalised
+    drawn = exponential_race(weights.expand(n, 5), draw_exponentials((n, 5), generator))
+    _assert_distributed_as(drawn, weights / weights.sum(), "exponential race")
+
+
+def test_greedy_sample_tokens_is_argmax() -> None:
+    logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(0))
+    tokens = sample_tokens(logits, *_params(4), torch.ones(4, 33))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_uniforms_are_never_zero_and_exponentials_positive() -> None:
+    generator = torch.Generator().manual_seed(0)
+    u = draw_uniforms((200_000,), generator)
+    e = draw_exponentials((200_000,), generator)
+    assert bool((u > 0).all() and (u <= 1).all() and (e > 0).all())
