@@ -1,6 +1,11 @@
 """Kernels of the target's hot path.
 
 Each op has a PyTorch reference in ``kernels/reference/<op>.py`` (runs anywhere, defines the
-semantics) and, in a later issue, a Triton kernel in ``kernels/<op>.py`` with the same signature.
-The target service uses Triton on CUDA and the reference elsewhere (``target_service.verifier``).
+semantics) and a Triton kernel in ``kernels/<op>.py`` with the same signature: ``kernels.verify``
+(chain verification), ``kernels.sampling`` (the autoregressive draw, on the same kernel),
+``kernels.tree`` (tree verification) and ``kernels.compact_kv`` (moving a tree verdict's accepted
+path into place in every layer's KV cache); the last two are not yet called by the target
+service, which verifies chains only. The
+target service uses Triton on CUDA and the reference elsewhere (``target_service.verifier``).
+Nothing here imports Triton at package import, so CPU-only services never load it.
 """
