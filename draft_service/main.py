@@ -24,6 +24,7 @@ from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.target_client import TargetClient
 from draft_service.types import TargetInfo
 from draft_service.worker import ModelWorker
+from tandem import telemetry
 from tandem.config import DEFAULT_K, DraftSettings
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
 from tandem.logs import setup_logging
@@ -82,7 +83,7 @@ async def start_draft(
     Raises TokenizerMismatchError, TargetUnavailableError (after ``target_wait_s``; None waits
     forever) or the proposer's loading error, after stopping what it had started.
     """
-    server = make_server()
+    server = make_server(telemetry.server_interceptors([telemetry.full_method(SERVICE_NAME, "Speculate")]))
     servicer = DraftServicer()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
@@ -133,10 +134,13 @@ def run(settings: DraftSettings) -> None:
     """
     if not logging.getLogger().handlers:  # ``tandem draft`` has set it up already
         setup_logging("draft", settings.log_level)
+    telemetry.setup_tracing("draft")
     try:
         asyncio.run(_serve_until_signalled(settings))
     except (TokenizerMismatchError, ModelSpecError) as exc:
         raise SystemExit(f"tandem draft: {exc}") from exc
+    finally:
+        telemetry.shutdown_tracing()
 
 
 async def _serve_until_signalled(settings: DraftSettings) -> None:

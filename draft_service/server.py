@@ -19,6 +19,7 @@ from draft_service.errors import (
     TokenizerMismatchError,
 )
 from draft_service.validation import validate_spec
+from tandem import telemetry
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             # aclosing: when this handler is cancelled (client gone) the engine's generator is
             # closed right away, which frees the session and releases it in the target.
-            async with aclosing(engine.speculate(spec)) as rounds:
-                async for result in rounds:
-                    await context.write(wire.speculate_response(result))
+            # One span event per verified round (aggregated past a limit) on this call's span.
+            round_events = telemetry.RoundEvents.for_current_span()
+            try:
+                async with aclosing(engine.speculate(spec)) as rounds:
+                    async for result in rounds:
+                        if result.verified:
+                            round_events.record(result.num_draft_tokens, result.num_accepted, result.verify_seconds)
+                        await context.write(wire.speculate_response(result))
+            finally:
+                round_events.finish()
             return
         except grpc.aio.AioRpcError as exc:  # the target's error, passed through unchanged
             code, details = exc.code(), exc.details() or ""

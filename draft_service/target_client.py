@@ -12,24 +12,36 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service import wire
 from draft_service.errors import ProtocolError, TargetUnavailableError
 from draft_service.types import DraftBlock, TargetInfo, Verdict
+from tandem import telemetry
 from tandem.grpc_util import insecure_channel
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+_TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+_VERIFY = telemetry.full_method(_TARGET_SERVICE, "Verify")
+_RELEASE = telemetry.full_method(_TARGET_SERVICE, "Release")
+
 
 class GrpcVerifyStream:
     """One session's bidirectional Verify call: a block out, its verdict back, one at a time."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, close_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, call: grpc.aio.StreamStreamCall, close_timeout_s: float = 5.0, span: telemetry.ClientCall | None = None
+    ) -> None:
         self._call = call
         self._close_timeout_s = close_timeout_s
+        self._span = span if span is not None else telemetry.ClientCall(None, None)
 
     async def verify(self, block: DraftBlock) -> Verdict:
         # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here,
         # with the target's code and message, which the server passes on to its caller.
-        await self._call.write(wire.verify_request(block))
-        response = await self._call.read()
+        try:
+            await self._call.write(wire.verify_request(block))
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            self._span.end(exc)
+            raise
         if response is grpc.aio.EOF:
             raise ProtocolError(f"the target ended the Verify stream without a verdict for block {block.block_id}")
         return wire.verdict_from_response(response)
@@ -41,9 +53,15 @@ class GrpcVerifyStream:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
             log.debug("Verify stream did not end cleanly (%r); cancelling it", exc)
             self._call.cancel()
+            self._span.end(exc if isinstance(exc, grpc.aio.AioRpcError) else None, cancelled=True)
+        except BaseException:  # cancelled while closing: the span still ends
+            self._span.end(cancelled=True)
+            raise
+        self._span.end()
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._span.end(cancelled=True)
 
 
 class TargetClient:
@@ -83,12 +101,15 @@ class TargetClient:
         return wire.target_info_from_response(reply)
 
     async def release(self, session_id: str) -> bool:
-        reply = await self._stub.Release(target_pb2.ReleaseRequest(session_id=session_id))
+        with telemetry.client_call(_RELEASE, self.address) as call:
+            reply = await self._stub.Release(target_pb2.ReleaseRequest(session_id=session_id), metadata=call.metadata)
         return reply.released
 
     def open_verify_stream(self, session_id: str) -> GrpcVerifyStream:
-        # The session id travels in every block; the metadata only labels the call for tracing.
-        return GrpcVerifyStream(self._stub.Verify(metadata=(("tandem-session-id", session_id),)))
+        # The session id travels in every block; the metadata only labels the call (and carries
+        # the trace context when tracing is on).
+        span = telemetry.client_call(_VERIFY, self.address, (("tandem-session-id", session_id),))
+        return GrpcVerifyStream(self._stub.Verify(metadata=span.metadata), span=span)
 
     async def close(self) -> None:
         await self._channel.close()

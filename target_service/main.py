@@ -19,6 +19,7 @@ import grpc
 
 from target_service.engine import TargetEngine
 from target_service.server import SERVICE_NAME, ModelWorker, TargetServicer
+from tandem import telemetry
 from tandem.config import TargetSettings
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
 from tandem.metrics import Metrics, make_metrics, serve_metrics
@@ -27,6 +28,9 @@ from tandem.v1 import target_pb2_grpc
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The calls of a request (not Info, health or reflection) get a span continuing the caller's trace.
+TRACED_METHODS = [telemetry.full_method(SERVICE_NAME, m) for m in ("Prefill", "Verify", "Generate", "Release")]
 
 
 @dataclass
@@ -61,7 +65,7 @@ async def start_target(engine: TargetEngine | None, host: str = "127.0.0.1", por
     With an engine (already loaded) it serves at once; with None it answers NOT_SERVING /
     UNAVAILABLE until ``attach``.
     """
-    server = make_server()
+    server = make_server(telemetry.server_interceptors(TRACED_METHODS))
     worker = ModelWorker()
     servicer = TargetServicer(worker)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
@@ -81,7 +85,11 @@ def run(settings: TargetSettings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(settings))
+    telemetry.setup_tracing("target")
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        telemetry.shutdown_tracing()
 
 
 async def serve(settings: TargetSettings) -> None:
