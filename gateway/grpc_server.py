@@ -12,6 +12,7 @@ The server also serves ``grpc.health.v1`` (SERVING while the upstreams are ready
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,6 +21,7 @@ from gateway.core import GatewayCore
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.events import Finished, TextDelta, Usage
 from gateway.validation import RequestFields
+from tandem import telemetry
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -72,28 +74,69 @@ def usage_to_proto(usage: Usage) -> gateway_pb2.Usage:
     )
 
 
+@dataclass
+class _Outcome:
+    """How a Generate call ended, for its span."""
+
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, core: GatewayCore) -> None:
         self._core = core
 
     async def Generate(self, request: gateway_pb2.GatewayServiceGenerateRequest, context: grpc.aio.ServicerContext):
+        # The request's trace span (GenAI conventions), continuing the caller's trace if any; the
+        # body runs with it current at every step, so the upstream calls become its children.
+        span = telemetry.GenerationSpan.start(
+            "chat" if request.messages else "text_completion",
+            self._core.model.name,
+            carrier=context.invocation_metadata() if telemetry.enabled() else None,
+            attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Generate"},
+        )
+        outcome = _Outcome()
+        try:
+            async for message in span.stream(self._generate(request, context, span, outcome)):
+                yield message
+        except BaseException as exc:
+            outcome.error = outcome.error or exc
+            raise
+        finally:
+            span.end(outcome.usage, outcome.finish_reason, outcome.error)
+
+    async def _generate(
+        self,
+        request: gateway_pb2.GatewayServiceGenerateRequest,
+        context: grpc.aio.ServicerContext,
+        span: telemetry.GenerationSpan,
+        outcome: _Outcome,
+    ):
         try:
             generation = self._core.open(lambda: fields_from_proto(request))
         except GatewayError as exc:
+            outcome.error = exc
             await context.abort(exc.grpc_code, exc.message)
+        span.opened(generation.request, generation.session_id)
         async with generation:
             try:
                 await generation.start()
+                span.first_token()
                 async with aclosing(generation.events()) as events:
                     async for event in events:
                         if isinstance(event, TextDelta):
                             yield gateway_pb2.GatewayServiceGenerateResponse(text=event.text, token_ids=event.token_ids)
                         elif isinstance(event, Finished):
+                            outcome.usage, outcome.finish_reason = event.usage, event.finish_reason
                             yield gateway_pb2.GatewayServiceGenerateResponse(
                                 finish_reason=_FINISH[event.finish_reason], usage=usage_to_proto(event.usage)
                             )
             except GatewayError as exc:
+                outcome.error = exc
                 await context.abort(exc.grpc_code, exc.message)
+            finally:
+                outcome.usage = outcome.usage or generation.usage
 
     async def Info(self, request: gateway_pb2.GatewayServiceInfoRequest, context: grpc.aio.ServicerContext):
         info = self._core.info()

@@ -9,8 +9,10 @@ reports each) and ``GET /metrics`` (Prometheus text of the gateway's registry). 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,17 +35,30 @@ from gateway.protocol import (
     ModelList,
 )
 from gateway.validation import RequestFields
+from tandem import telemetry
 
 # nginx's "client closed request": logged, never seen by the departed client.
 CLIENT_CLOSED_REQUEST = 499
+
+# The GenAI semantic-convention operation of each endpoint (gen_ai.operation.name).
+_OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 
 
 def error_response(error: GatewayError) -> JSONResponse:
     return JSONResponse(error.to_openai(), status_code=error.http_status)
 
 
+def _without_framework_tracing() -> dict[str, Any]:
+    """FastAPI releases with built-in OpenTelemetry would open their own HTTP server span (and
+    spans per dependency) beside the gateway's request span; the gateway's span is the server
+    span of a generation (see :func:`_generate`), so theirs is turned off where it exists."""
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "operation_spans": False}}
+    return {}
+
+
 def create_app(core: GatewayCore) -> FastAPI:
-    app = FastAPI(title="tandem gateway", version=tandem.__version__)
+    app = FastAPI(title="tandem gateway", version=tandem.__version__, **_without_framework_tracing())
     started = int(time.time())
 
     @app.exception_handler(GatewayError)
@@ -112,17 +127,49 @@ async def _generate(
     stream: bool,
     request: Request,
 ) -> Response | ChatCompletionResponse | CompletionResponse:
-    generation = core.open(read_fields)
+    # The request's trace span: continues the client's trace when it sent a traceparent header.
+    span = telemetry.GenerationSpan.start(
+        _OPERATIONS[meta.kind],
+        core.model.name,
+        carrier=request.headers if telemetry.enabled() else None,
+        attributes={"http.request.method": request.method, "url.path": request.url.path,
+                    "gen_ai.response.id": meta.id},
+    )
+    try:
+        with span.active():
+            generation = core.open(read_fields)
+    except BaseException as exc:
+        span.end(error=exc)
+        raise
+    span.opened(generation.request, generation.session_id)
     try:
         # Prefill before answering, so a failing upstream still gets a proper error status.
-        await generation.start()
-    except BaseException:
-        await generation.aclose()
+        with span.active():
+            await generation.start()
+    except BaseException as exc:
+        with span.active():
+            await generation.aclose()
+        span.end(generation.usage, error=exc)
         raise
+    span.first_token()
     if stream:
-        return ClosingStreamingResponse(openai_api.stream(generation, meta), on_close=generation.aclose)
-    async with generation:
-        try:
-            return await cancel_on_disconnect(request.receive, openai_api.complete(generation, meta))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+        async def close() -> None:
+            with span.active():  # the session release is part of the request's trace
+                await generation.aclose()
+            span.end(generation.usage)
+
+        return ClosingStreamingResponse(span.stream(openai_api.stream(generation, meta)), on_close=close)
+    try:
+        with span.active():
+            async with generation:
+                try:
+                    response = await cancel_on_disconnect(request.receive, openai_api.complete(generation, meta))
+                except ClientDisconnected:
+                    response = Response(status_code=CLIENT_CLOSED_REQUEST)
+    except BaseException as exc:
+        span.end(generation.usage, error=exc)
+        raise
+    choices = getattr(response, "choices", None)
+    span.end(generation.usage, choices[0].finish_reason if choices else None)
+    return response

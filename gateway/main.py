@@ -22,15 +22,17 @@ import grpc
 import uvicorn
 
 from gateway.admission import AdmissionControl
+from gateway.breaker import BreakerConfig, DraftBreaker
 from gateway.core import GatewayCore
-from gateway.generation import GenerationDeps
+from gateway.generation import GenerationDeps, SessionTuning
 from gateway.grpc_server import build_grpc_server
 from gateway.http_app import create_app
 from gateway.monitor import UpstreamMonitor
-from gateway.policy import SpeculationPolicy
+from gateway.policy import PolicyConfig, SpeculationPolicy
 from gateway.served_model import ServedModel, config_context_len
 from gateway.upstream import GrpcDraft, GrpcTarget
 from gateway.validation import RequestValidator
+from tandem import telemetry
 from tandem.config import GatewaySettings
 from tandem.grpc_util import Health
 from tandem.metrics import make_metrics
@@ -110,15 +112,18 @@ async def start_gateway(
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
 
     target, draft = GrpcTarget(settings.target_address), GrpcDraft(settings.draft_address)
-    monitor = UpstreamMonitor(target, draft, model)
+    breaker = DraftBreaker(BreakerConfig.from_settings(settings))
+    monitor = UpstreamMonitor(target, draft, model, breaker)
     deps = GenerationDeps(
         target=target,
         draft=draft,
         model=model,
-        policy=SpeculationPolicy(),
+        policy=SpeculationPolicy(PolicyConfig.from_settings(settings)),
         metrics=make_metrics("gateway"),
         draft_ready=lambda: monitor.draft_ready,
         default_num_speculative_tokens=settings.num_speculative_tokens,
+        breaker=breaker,
+        tuning=SessionTuning.from_settings(settings),
     )
     core = GatewayCore(
         model,
@@ -181,7 +186,11 @@ def _bind_http_socket(host: str, port: int) -> socket.socket:
 def run(settings: GatewaySettings) -> None:
     """Serves the gateway until SIGINT or SIGTERM (blocking)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve_until_signalled(settings))
+    telemetry.setup_tracing("gateway")
+    try:
+        asyncio.run(_serve_until_signalled(settings))
+    finally:
+        telemetry.shutdown_tracing()
 
 
 async def _serve_until_signalled(settings: GatewaySettings) -> None:

@@ -7,7 +7,9 @@ with an error naming both models, never a silent degradation. The monitor also a
 context length (``Info.max_context_len``), which may be below the checkpoint's.
 
 The policy reads :attr:`UpstreamMonitor.draft_ready` so that ``speculation: "auto"`` does not
-even try a draft that is known to be down.
+even try a draft that is known to be down. Each draft check is also the health probe of the
+draft's circuit breaker (:mod:`gateway.breaker`), which generations feed with their own
+failures; ``draft_ready`` is the breaker's verdict.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.breaker import DraftBreaker
 from gateway.errors import GatewayError
 from gateway.served_model import ServedModel
 from gateway.upstream import GrpcDraft, GrpcTarget
@@ -41,8 +44,11 @@ class UpstreamState:
 
 
 class UpstreamMonitor:
-    def __init__(self, target: GrpcTarget, draft: GrpcDraft, model: ServedModel) -> None:
+    def __init__(
+        self, target: GrpcTarget, draft: GrpcDraft, model: ServedModel, breaker: DraftBreaker | None = None
+    ) -> None:
         self._target = target
+        self.breaker = breaker if breaker is not None else DraftBreaker()
         self._draft = draft
         self._model = model
         self.target = UpstreamState(target.address)
@@ -60,11 +66,12 @@ class UpstreamMonitor:
 
     @property
     def draft_ready(self) -> bool:
-        """False only once a check has found the draft unreachable (unknown counts as ready).
+        """Whether new sessions may speculate: the breaker is not open (it opens once a check finds
+        the draft unreachable, or sessions see it fail; unknown counts as ready).
 
         A draft with the wrong tokenizer is reachable: requests go to it and fail with its
         refusal, rather than quietly decoding without speculation."""
-        return self.draft.reachable is not False
+        return self.breaker.allows_speculation
 
     async def check(self) -> bool:
         """Refreshes both upstreams' state; returns :attr:`ready`. Every check (the periodic
@@ -98,6 +105,7 @@ class UpstreamMonitor:
 
     async def _check_draft(self) -> None:
         info = await self._serving_info(self._draft, self.draft)
+        self.breaker.probe(bool(self.draft.reachable))
         if info is None:
             return
         name = info.model_name or info.proposer

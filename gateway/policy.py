@@ -1,10 +1,17 @@
-"""Per-session choice between speculative and plain autoregressive decoding.
+"""Up-front choice between speculative and plain autoregressive decoding for a new session.
 
-This is the seam for the adaptive policy of a later issue (switching on low acceptance, high
-temperature or saturation). For now the rule is static: ``"off"`` decodes autoregressively,
-``"on"`` speculates or fails, and ``"auto"`` speculates unless the draft service is unavailable,
-in which case the session falls back to the target's ``Generate`` (counted as a fallback with
-reason ``draft_unavailable``) instead of failing.
+Some sessions are known not to profit from speculation before their first token:
+
+* ``speculation: "off"`` in the request (reason ``speculation_off``);
+* a sampling temperature above ``max_temperature`` (default 0.8): the draft's and the target's
+  distributions drift apart as they flatten, so acceptance collapses (reason ``high_temperature``);
+* more than ``max_speculative_sessions`` (default 64) sessions active: the target's compute is
+  better spent on decoding than on verifying rejected drafts (reason ``saturated``);
+* the draft's circuit breaker is open (reason ``draft_unavailable``).
+
+Each rule is configurable (``None`` disables a threshold) and each fallback is recorded with its
+reason. ``speculation: "on"`` bypasses every rule: the client asked to speculate or fail. Switches
+*during* a session are decided by :mod:`gateway.adaptive`.
 """
 
 from __future__ import annotations
@@ -12,9 +19,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gateway.request import Speculation
+from gateway.request import GenerationRequest, Speculation
+from tandem.config import GatewaySettings
 
 DRAFT_UNAVAILABLE = "draft_unavailable"
+SPECULATION_OFF = "speculation_off"
+HIGH_TEMPERATURE = "high_temperature"
+SATURATED = "saturated"
+LOW_ACCEPTANCE = "low_acceptance"
+SLOWER_THAN_AUTOREGRESSIVE = "slower_than_autoregressive"
 
 
 class Mode(str, enum.Enum):
@@ -27,21 +40,46 @@ class Mode(str, enum.Enum):
 @dataclass(frozen=True)
 class Decision:
     mode: Mode
-    # Set when the policy chose autoregressive decoding against the client's "auto" preference.
+    # Why the session decodes autoregressively (None when it speculates).
     fallback_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_temperature: float | None = 0.8
+    max_speculative_sessions: int | None = 64
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> PolicyConfig:
+        return cls(settings.fallback_max_temperature, settings.fallback_max_sessions or None)
+
+
 class SpeculationPolicy:
-    def initial(self, requested: Speculation, draft_ready: bool) -> Decision:
-        """The mode a session starts in. ``draft_ready`` is the health monitor's last word on the draft."""
-        if requested is Speculation.OFF:
-            return Decision(Mode.AUTOREGRESSIVE)
-        if requested is Speculation.AUTO and not draft_ready:
+    def __init__(self, config: PolicyConfig = PolicyConfig()) -> None:
+        self.config = config
+
+    def initial(self, request: GenerationRequest, draft_ready: bool, active_sessions: int = 0) -> Decision:
+        """The mode a session starts in. ``draft_ready``: the draft's breaker lets sessions
+        speculate; ``active_sessions``: sessions in progress, this one not included."""
+        if request.speculation is Speculation.OFF:
+            return Decision(Mode.AUTOREGRESSIVE, SPECULATION_OFF)
+        if request.speculation is Speculation.ON:
+            return Decision(Mode.SPECULATIVE)
+        limit = self.config.max_temperature
+        if limit is not None and request.sampling.temperature > limit:
+            return Decision(Mode.AUTOREGRESSIVE, HIGH_TEMPERATURE)
+        if self.saturated(active_sessions):
+            return Decision(Mode.AUTOREGRESSIVE, SATURATED)
+        if not draft_ready:
             return Decision(Mode.AUTOREGRESSIVE, DRAFT_UNAVAILABLE)
         return Decision(Mode.SPECULATIVE)
 
-    def on_draft_unavailable(self, requested: Speculation) -> Decision | None:
-        """What to do when the draft cannot be reached mid-session; None means fail the request."""
-        if requested is Speculation.AUTO:
-            return Decision(Mode.AUTOREGRESSIVE, DRAFT_UNAVAILABLE)
-        return None
+    def saturated(self, active_sessions: int) -> bool:
+        limit = self.config.max_speculative_sessions
+        return limit is not None and active_sessions >= limit
+
+    @staticmethod
+    def may_return(reason: str | None) -> bool:
+        """Whether a session that fell back for ``reason`` may later probe speculation again:
+        not when the reason is fixed for the session's lifetime (its request)."""
+        return reason not in (SPECULATION_OFF, HIGH_TEMPERATURE)

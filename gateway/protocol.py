@@ -64,6 +64,9 @@ class _GenerationBody(_StrictBody):
     num_speculative_tokens: int | None = Field(None, description="draft length K for this request (1..64)")
     top_k: int | None = Field(None, description="sample from the k most likely tokens (0 = all)")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    stream_smoothing: str | None = Field(
+        None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
+    )
 
     @property
     def include_usage(self) -> bool:
@@ -85,6 +88,11 @@ class _GenerationBody(_StrictBody):
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,
             ignore_eos=self.ignore_eos,
+            # A whole response has no cadence to smooth: pacing would only delay it. (Any other
+            # value goes on to validation, which refuses what is not "auto" or "off".)
+            stream_smoothing=(
+                "off" if not self.stream and self.stream_smoothing in (None, "auto") else self.stream_smoothing
+            ),
         )
 
 

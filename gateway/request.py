@@ -19,6 +19,13 @@ class Speculation(str, enum.Enum):
     OFF = "off"  # the target's plain autoregressive Generate (the speed baseline)
 
 
+class Smoothing(str, enum.Enum):
+    """``--stream-smoothing`` and the per-request ``stream_smoothing`` extension field."""
+
+    OFF = "off"  # send each batch of committed tokens as it arrives
+    AUTO = "auto"  # pace streamed tokens at the measured verified-token rate (gateway.pacer)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Sampling parameters as the target understands them (temperature 0 = greedy)."""
@@ -43,3 +50,5 @@ class GenerationRequest:
     speculation: Speculation
     # Draft length K for this request; None = the gateway's configured default.
     num_speculative_tokens: int | None
+    # None = the gateway's --stream-smoothing.
+    stream_smoothing: Smoothing | None = None

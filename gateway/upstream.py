@@ -16,11 +16,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import GatewayError, InvalidRequest, Overloaded, UpstreamFailure, UpstreamUnavailable
+from tandem import telemetry
 from tandem.grpc_util import CHANNEL_OPTIONS
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
+
+_TARGET = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+_DRAFT = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 RELEASE_TIMEOUT_S = 5.0
 # gRPC backs off up to 2 minutes between reconnection attempts by default, so an upstream that
@@ -71,20 +75,29 @@ def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Gatewa
 class GrpcStream(Generic[T]):
     """A ``grpc.aio`` server-streaming call whose errors come out translated."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, service: str, address: str) -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, service: str, address: str, span: telemetry.ClientCall | None = None
+    ) -> None:
         self._call = call
         self._service = service
         self._address = address
+        self._span = span if span is not None else telemetry.ClientCall(None, None)
 
     async def __aiter__(self) -> AsyncIterator[T]:
         try:
             async for message in self._call:
                 yield message
         except grpc.aio.AioRpcError as exc:
+            self._span.end(exc, cancelled=self._call.cancelled())
             raise translate(self._service, self._address, exc) from exc
+        except BaseException:  # the consumer left (GeneratorExit) or was cancelled
+            self._span.end(cancelled=True)
+            raise
+        self._span.end()
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._span.end(cancelled=True)
 
 
 class _GrpcUpstream:
@@ -104,11 +117,19 @@ class _GrpcUpstream:
             return False
         return answer.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def _unary(self, method, request, timeout: float | None = None):
-        try:
-            return await method(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise translate(self.service, self.address, exc) from exc
+    async def _unary(self, method, request, timeout: float | None = None, traced_as: str = ""):
+        """Calls ``method``; ``traced_as`` (the full method name) gives the call a CLIENT span."""
+        call = telemetry.client_call(traced_as, self.address) if traced_as else telemetry.ClientCall(None, None)
+        with call:
+            try:
+                return await method(request, timeout=timeout, metadata=call.metadata)
+            except grpc.aio.AioRpcError as exc:
+                call.end(exc)
+                raise translate(self.service, self.address, exc) from exc
+
+    def _stream(self, method, request, traced_as: str) -> GrpcStream:
+        call = telemetry.client_call(traced_as, self.address)
+        return GrpcStream(method(request, metadata=call.metadata), self.service, self.address, call)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -125,16 +146,16 @@ class GrpcTarget(_GrpcUpstream):
         return await self._unary(self._stub.Info, target_pb2.TargetServiceInfoRequest(), timeout)
 
     async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
-        return await self._unary(self._stub.Prefill, request)
+        return await self._unary(self._stub.Prefill, request, traced_as=f"/{_TARGET}/Prefill")
 
     def generate(
         self, request: target_pb2.TargetServiceGenerateRequest
     ) -> GrpcStream[target_pb2.TargetServiceGenerateResponse]:
-        return GrpcStream(self._stub.Generate(request), self.service, self.address)
+        return self._stream(self._stub.Generate, request, f"/{_TARGET}/Generate")
 
     async def release(self, session_id: str) -> bool:
         request = target_pb2.ReleaseRequest(session_id=session_id)
-        return (await self._unary(self._stub.Release, request, RELEASE_TIMEOUT_S)).released
+        return (await self._unary(self._stub.Release, request, RELEASE_TIMEOUT_S, f"/{_TARGET}/Release")).released
 
 
 class GrpcDraft(_GrpcUpstream):
@@ -148,4 +169,4 @@ class GrpcDraft(_GrpcUpstream):
         return await self._unary(self._stub.Info, draft_pb2.DraftServiceInfoRequest(), timeout)
 
     def speculate(self, request: draft_pb2.SpeculateRequest) -> GrpcStream[draft_pb2.SpeculateResponse]:
-        return GrpcStream(self._stub.Speculate(request), self.service, self.address)
+        return self._stream(self._stub.Speculate, request, f"/{_DRAFT}/Speculate")

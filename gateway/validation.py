@@ -14,7 +14,7 @@ from typing import Union
 
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest
-from gateway.request import GenerationRequest, Sampling, Speculation
+from gateway.request import GenerationRequest, Sampling, Smoothing, Speculation
 from gateway.served_model import ServedModel
 
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
@@ -44,6 +44,7 @@ class RequestFields:
     speculation: str | None = None
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
+    stream_smoothing: str | None = None
 
 
 class RequestValidator:
@@ -79,6 +80,7 @@ class RequestValidator:
             ignore_eos=fields.ignore_eos,
             speculation=speculation,
             num_speculative_tokens=k,
+            stream_smoothing=self._smoothing(fields.stream_smoothing),
         )
 
     def _check_model(self, model: str | None) -> None:
@@ -120,6 +122,18 @@ class RequestValidator:
                 param="num_speculative_tokens",
             )
         return speculation, k
+
+    @staticmethod
+    def _smoothing(value: str | None) -> Smoothing | None:
+        if value is None:
+            return None
+        try:
+            return Smoothing(value)
+        except ValueError:
+            choices = ", ".join(repr(s.value) for s in Smoothing)
+            raise InvalidRequest(
+                f"stream_smoothing must be one of {choices}, got {value!r}", param="stream_smoothing"
+            ) from None
 
     @staticmethod
     def _stop(stop: tuple[str, ...]) -> tuple[str, ...]:

@@ -75,7 +75,10 @@ def load_prompts(path: str | None) -> list[Prompt]:
     return [Prompt(row.get("domain", "all"), row["prompt"]) for row in rows]
 
 
-def run_one(client: httpx.Client, url: str, model: str, prompt: Prompt, mode: str, max_tokens: int) -> RequestResult:
+def run_one(
+    client: httpx.Client, url: str, model: str, prompt: Prompt, mode: str, max_tokens: int,
+    stream_smoothing: str | None = None,
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt.prompt,
@@ -85,6 +88,8 @@ def run_one(client: httpx.Client, url: str, model: str, prompt: Prompt, mode: st
         "stream_options": {"include_usage": True},
         "speculation": _SPECULATION[mode],
     }
+    if stream_smoothing is not None:  # else the gateway's --stream-smoothing
+        body["stream_smoothing"] = stream_smoothing
     start = time.perf_counter()
     stamps: list[float] = []
     usage: dict = {}
@@ -192,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
     parser.add_argument("--warmup", type=int, default=1, help="requests per mode before measuring")
     parser.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here")
+    parser.add_argument("--stream-smoothing", choices=("off", "auto"), default=None,
+                        help="the stream_smoothing field of each request (default: the gateway's setting)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -207,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         for index, prompt in enumerate(prompts):
             order = MODES if index % 2 == 0 else MODES[::-1]
             for mode in order:
-                results.append(run_one(client, args.url, model, prompt, mode, args.max_tokens))
+                results.append(run_one(client, args.url, model, prompt, mode, args.max_tokens, args.stream_smoothing))
             print(f"\r[{index + 1}/{len(prompts)}] {prompt.domain:<8}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
     report = build_report(args.url, model, args.max_tokens, results)

@@ -70,8 +70,32 @@ class GatewaySettings(_Base):
     http_port: int = Field(PORTS["gateway_http"], description="HTTP port (OpenAI API and /metrics)")
     grpc_port: int = Field(PORTS["gateway_grpc"], description="gRPC port (tandem.v1.GatewayService)")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
-    max_concurrent_requests: int = Field(64, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
+    # As many as the target holds sessions by default; beyond --fallback-max-sessions they decode
+    # autoregressively rather than being refused.
+    max_concurrent_requests: int = Field(256, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+    # Stream smoothing (gateway.pacer)
+    stream_smoothing: str = Field(
+        "auto", pattern="^(off|auto)$", description="pace streamed tokens evenly: auto or off (per request too)"
+    )
+    stream_smoothing_max_delay_rounds: float = Field(
+        1.0, ge=0.0, description="most extra delay a paced token gets, in round times"
+    )
+    # Session-level fallback to the target's Generate (gateway.policy, gateway.adaptive)
+    fallback_adaptive: bool = Field(True, description="fall back mid-session when speculation does not pay")
+    fallback_min_acceptance: float = Field(0.6, ge=0.0, le=1.0, description="fall back below this acceptance")
+    fallback_window_rounds: int = Field(8, ge=1, description="rounds the fallback decision looks at")
+    fallback_warmup_rounds: int = Field(4, ge=1, description="rounds before the first fallback decision")
+    fallback_hysteresis: float = Field(0.1, ge=0.0, description="relative margin to switch back to speculation")
+    fallback_reprobe_tokens: int = Field(64, ge=1, description="tokens in fallback before a speculative probe")
+    fallback_probe_tokens: int = Field(12, ge=1, description="tokens a speculative probe may commit")
+    fallback_max_temperature: float = Field(0.8, ge=0.0, description="decode autoregressively above (2 = never)")
+    fallback_max_sessions: int = Field(
+        64, ge=0, description="decode autoregressively beyond this many sessions (0 = never)"
+    )
+    draft_stall_timeout_s: float = Field(5.0, gt=0.0, description="a draft silent this long is treated as down")
+    draft_breaker_cooldown_s: float = Field(2.0, ge=0.0, description="seconds an open draft breaker waits to probe")
+    draft_breaker_failures: int = Field(3, ge=1, description="failed Speculate calls in a row that open the breaker")
 
 
 class ServeSettings(_Base):
@@ -88,3 +112,4 @@ class ServeSettings(_Base):
     draft_metrics_port: int = Field(PORTS["draft_metrics"], description="draft Prometheus port")
     target_metrics_port: int = Field(PORTS["target_metrics"], description="target Prometheus port")
     ready_timeout_s: float = Field(900.0, description="give up when the stack is not ready by then")
+    stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")

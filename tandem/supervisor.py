@@ -64,7 +64,7 @@ def child_commands(s: ServeSettings) -> list[Child]:
         [*py, "gateway", *common, *served, "--target-model", s.target_model,
          "--target-address", f"{near}:{s.target_port}", "--draft-address", f"{near}:{s.draft_port}",
          "--http-port", str(s.http_port), "--grpc-port", str(s.grpc_port),
-         "--num-speculative-tokens", str(s.num_speculative_tokens)],
+         "--num-speculative-tokens", str(s.num_speculative_tokens), "--stream-smoothing", s.stream_smoothing],
         f"{near}:{s.grpc_port}",
     )
     return [target, draft, gateway]

@@ -42,6 +42,8 @@ class FakeSession:
     params: common_pb2.SessionParams
     generated: list[int] = field(default_factory=list)
     finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    # Script tokens the prompt already ends with (a session prefilled again mid-script by a resync).
+    offset: int = 0
 
     @property
     def committed_len(self) -> int:
@@ -80,6 +82,9 @@ class ScriptedModel:
     def prefill(self, session_id: str, prompt: list[int], params: common_pb2.SessionParams) -> FakeSession:
         self.rpcs.append(("Prefill", session_id))
         session = self.sessions[session_id] = FakeSession(list(prompt), params)
+        session.offset = next(
+            (n for n in range(len(prompt) - 1, 0, -1) if prompt[-n:] == self.expected_tokens(n, params.ignore_eos)), 0
+        )
         self.commit(session_id, 1)
         return session
 
@@ -88,7 +93,7 @@ class ScriptedModel:
         session = self.sessions[session_id]
         new: list[int] = []
         while len(new) < n and session.finish == common_pb2.FINISH_REASON_UNSPECIFIED:
-            i = len(session.generated)
+            i = session.offset + len(session.generated)
             if session.params.ignore_eos:
                 token = self.script[i % len(self.script)]
             else:
@@ -108,11 +113,15 @@ class ScriptedModel:
 
     # Streams both the gRPC servicers and the in-memory clients serve.
 
-    async def generate_stream(self, session_id: str) -> AsyncIterator[target_pb2.TargetServiceGenerateResponse]:
+    async def generate_stream(
+        self, session_id: str, max_new_tokens: int = 0
+    ) -> AsyncIterator[target_pb2.TargetServiceGenerateResponse]:
         self.rpcs.append(("Generate", session_id))
-        while True:
+        sent = 0
+        while not max_new_tokens or sent < max_new_tokens:
             await asyncio.sleep(self.token_delay)
             tokens, session = self.commit(session_id, 1)
+            sent += len(tokens)
             yield target_pb2.TargetServiceGenerateResponse(
                 token_ids=tokens, committed_len=session.committed_len, finish_reason=session.finish
             )
@@ -124,9 +133,12 @@ class ScriptedModel:
         self.speculate_requests.append(request)
         k = request.num_speculative_tokens
         accepted = k // 2
-        while True:
+        sent = 0
+        while not request.max_new_tokens or sent < request.max_new_tokens:
             await asyncio.sleep(self.token_delay)
-            tokens, session = self.commit(request.session_id, accepted + 1)
+            budget = request.max_new_tokens - sent if request.max_new_tokens else accepted + 1
+            tokens, session = self.commit(request.session_id, min(accepted + 1, budget))
+            sent += len(tokens)
             yield draft_pb2.SpeculateResponse(
                 token_ids=tokens,
                 committed_len=session.committed_len,
@@ -164,7 +176,7 @@ class FakeTargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
     async def Generate(self, request, context):
-        async for response in self.model.generate_stream(request.session_id):
+        async for response in self.model.generate_stream(request.session_id, request.max_new_tokens):
             yield response
 
     async def Release(self, request, context):
@@ -238,7 +250,7 @@ class InMemoryTarget:
         )
 
     def generate(self, request: target_pb2.TargetServiceGenerateRequest) -> InMemoryStream:
-        self.streams.append(InMemoryStream(self.model.generate_stream(request.session_id)))
+        self.streams.append(InMemoryStream(self.model.generate_stream(request.session_id, request.max_new_tokens)))
         return self.streams[-1]
 
     async def release(self, session_id: str) -> bool:
@@ -338,6 +350,12 @@ async def fake_stack(
         num_speculative_tokens=4,
         default_max_tokens=32,
         log_level="warning",
+        # The fake draft's acceptance (K // 2 of K) is below the default bar and its timings are
+        # meaningless, and most requests here leave the temperature at OpenAI's default of 1:
+        # tests of the fallback policies (test_fallback_*) turn them on.
+        fallback_adaptive=False,
+        fallback_max_temperature=2.0,
+        draft_breaker_cooldown_s=0.0,
     )
     config.update(settings)
     gateway = await start_gateway(GatewaySettings(**config), tokenizer, health_interval_s=health_interval_s)

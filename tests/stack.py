@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tandem.config import ServeSettings
+from tandem.supervisor import Child, child_commands, is_serving
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -109,3 +112,92 @@ def running_stack(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+# ---- the three services as separate processes, so a test can kill and restart one -------------
+
+
+@dataclass
+class Services:
+    """Target, draft and gateway started from ``tandem serve``'s own child commands, without its
+    supervisor (which stops the whole stack when one child dies)."""
+
+    settings: ServeSettings
+    children: dict[str, Child]
+    env: dict[str, str]
+    log_dir: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.settings.grpc_port}"
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base_url}/metrics", timeout=10).text
+
+    def start(self, name: str) -> None:
+        """Starts (or restarts) one service with exactly its original command line."""
+        child = self.children[name]
+        out = open(os.path.join(self.log_dir, f"{name}.log"), "a")
+        child.process = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        out.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: the service gets no chance to end its calls cleanly."""
+        process = self.children[name].process
+        process.kill()
+        process.wait()
+
+    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
+        child = self.children[name]
+        deadline = time.monotonic() + timeout_s
+        while not is_serving(child.health_address, timeout=1.0):
+            if child.exited() is not None:
+                raise RuntimeError(f"{name} exited with {child.exited()}:\n{self.log(name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not serving in {timeout_s}s:\n{self.log(name)}")
+            time.sleep(0.2)
+
+    def log(self, name: str) -> str:
+        path = os.path.join(self.log_dir, f"{name}.log")
+        with open(path, errors="replace") as handle:
+            return "".join(handle.readlines()[-200:])
+
+    def stop(self) -> None:
+        for child in reversed(list(self.children.values())):
+            process = child.process
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+@contextmanager
+def running_services(
+    target_model: str, draft_model: str, log_dir: str, k: int = 4, gateway_env: dict[str, str] | None = None
+) -> Iterator[Services]:
+    """The three services on free ports; ``gateway_env`` adds ``TANDEM_*`` settings (all services
+    see them, only the gateway reads the gateway's)."""
+    settings = ServeSettings(
+        target_model=target_model, draft_model=draft_model, num_speculative_tokens=k,
+        http_port=free_port(), grpc_port=free_port(), draft_port=free_port(), target_port=free_port(),
+        draft_metrics_port=free_port(), target_metrics_port=free_port(), log_level="info",
+    )
+    env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
+    env.update(gateway_env or {})
+    services = Services(settings, {c.name: c for c in child_commands(settings)}, env, log_dir)
+    try:
+        for name in services.children:
+            services.start(name)
+        for name in services.children:
+            services.wait_serving(name)
+        yield services
+    finally:
+        services.stop()

@@ -128,7 +128,8 @@ async def test_speculation_off_uses_target_generate(stack, sdk):
     )
     assert response.choices[0].text == SCRIPT_TEXT
     spec = response.usage.speculative_decoding
-    assert (spec["mode"], spec["rounds"], spec["fallbacks"]) == ("autoregressive", 0, 0)
+    assert (spec["mode"], spec["rounds"], spec["fallbacks"]) == ("autoregressive", 0, 1)
+    assert stack.metric("tandem_session_fallbacks_total", reason="speculation_off") == 1
     assert [name for name, _ in stack.model.rpcs] == ["Prefill", "Generate", "Release"]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
-from gateway.request import Speculation
+from gateway.request import Smoothing, Speculation
 from gateway.served_model import ServedModel
 from gateway.validation import COMPLETIONS_DEFAULT_MAX_TOKENS, RequestFields, RequestValidator
 from gateway_fakes import tokenizer  # noqa: F401  (fixture)
@@ -52,6 +52,7 @@ BAD = [
     ("num_speculative_tokens 0", prompt(num_speculative_tokens=0), "num_speculative_tokens", "between 1 and 64"),
     ("num_speculative_tokens 65", prompt(num_speculative_tokens=65), "num_speculative_tokens", "between 1 and 64"),
     ("empty stop string", prompt(stop=("",)), "stop", "empty"),
+    ("stream_smoothing invalid", prompt(stream_smoothing="smooth"), "stream_smoothing", "'off', 'auto'"),
     ("out-of-vocabulary token id", RequestFields(prompt=[1, 2, 300]), "prompt", "outside the vocabulary"),
     ("negative token id", RequestFields(prompt=[-1]), "prompt", "outside the vocabulary"),
     ("batch of prompts", RequestFields(prompt=["a", "b"]), "prompt", "one prompt per request"),
@@ -106,3 +107,9 @@ def test_valid_extremes_are_accepted(validator):
     )
     assert request.sampling.top_k == len(validator._model.tokenizer)  # clamped: no truncation
     assert request.speculation is Speculation.OFF and request.max_tokens == CONTEXT - 1
+
+
+def test_stream_smoothing_override(validator):
+    assert validator.validate(prompt()).stream_smoothing is None  # the gateway's default
+    assert validator.validate(prompt(stream_smoothing="off")).stream_smoothing is Smoothing.OFF
+    assert validator.validate(prompt(stream_smoothing="auto")).stream_smoothing is Smoothing.AUTO

@@ -1,0 +1,85 @@
+"""One *leg* of a session: a single upstream stream (``Speculate`` or ``Generate``) read to its end.
+
+A generation is a sequence of legs (see :mod:`gateway.adaptive` for why switching happens only
+between them). This module holds what a leg needs and nothing about policy: the batch type the
+generation consumes, the gateway-side timing of messages with an optional stall deadline, and the
+classification of a draft's failure into what the breaker and the fallback need to know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from gateway.breaker import DraftFailure
+from gateway.errors import GatewayError, InvalidRequest, UpstreamUnavailable
+from gateway.policy import Mode
+from gateway.upstream import UpstreamStream
+
+M = TypeVar("M")
+
+# A draft that refuses the session itself (bad request, other tokenizer) is not an outage:
+# decoding on without it would hide a configuration error, so such failures are not recovered.
+_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tokens one upstream message committed, with the round that produced them (if speculative)."""
+
+    token_ids: Sequence[int]
+    finish_reason: int
+    committed_len: int
+    # The mode whose upstream sent it; None for the first token, which Prefill returns.
+    mode: Mode | None = None
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+
+
+class DraftLegFailed(Exception):
+    """A speculative leg ended in a draft failure; ``error`` is what the client would see."""
+
+    def __init__(self, failure: DraftFailure, error: GatewayError, recoverable: bool = True) -> None:
+        super().__init__(error.message)
+        self.failure = failure
+        self.error = error
+        self.recoverable = recoverable
+
+
+def classify_draft_error(error: GatewayError) -> DraftLegFailed:
+    if isinstance(error, UpstreamUnavailable):
+        return DraftLegFailed(DraftFailure.UNREACHABLE, error)
+    cause = error.__cause__
+    code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+    refused = isinstance(error, InvalidRequest) or code in _REFUSALS
+    return DraftLegFailed(DraftFailure.FAILED, error, recoverable=not refused)
+
+
+async def timed(
+    stream: UpstreamStream[M], clock: Callable[[], float], deadline_s: float | None = None
+) -> AsyncIterator[tuple[M, float | None]]:
+    """Messages of ``stream`` with the seconds since the previous one (None for the first, whose
+    wait includes the call's set-up). With ``deadline_s``, a wait longer than that raises
+    :class:`TimeoutError` (the stream is left to the caller to cancel)."""
+    iterator: Any = aiter(stream)
+    last: float | None = None
+    try:
+        while True:
+            try:
+                if deadline_s is None:
+                    message = await anext(iterator)
+                else:
+                    message = await asyncio.wait_for(anext(iterator), deadline_s)
+            except StopAsyncIteration:
+                return
+            now = clock()
+            yield message, None if last is None else now - last
+            last = now
+    finally:
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,284 @@
+"""Up-front policies, the per-session controller (window, warm-up, hysteresis, re-probing) and the
+draft's circuit breaker, as plain objects with fake clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.adaptive import AdaptiveConfig, Leg, Round, SessionController, StepTimer
+from gateway.breaker import BreakerConfig, BreakerState, DraftBreaker, DraftFailure
+from gateway.policy import (
+    DRAFT_UNAVAILABLE,
+    HIGH_TEMPERATURE,
+    LOW_ACCEPTANCE,
+    SATURATED,
+    SLOWER_THAN_AUTOREGRESSIVE,
+    SPECULATION_OFF,
+    Decision,
+    Mode,
+    PolicyConfig,
+    SpeculationPolicy,
+)
+from gateway.request import GenerationRequest, Sampling, Speculation
+
+SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
+
+
+def request(speculation=Speculation.AUTO, temperature=0.0) -> GenerationRequest:
+    return GenerationRequest((1, 2), 100, Sampling(temperature, 1.0, 0, None), (), (), False, speculation, None)
+
+
+# ---- up-front policies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("req", "ready", "active", "expected"),
+    [
+        (request(), True, 0, Decision(SPEC)),
+        (request(Speculation.OFF), True, 0, Decision(AR, SPECULATION_OFF)),
+        (request(temperature=0.81), True, 0, Decision(AR, HIGH_TEMPERATURE)),
+        (request(temperature=0.8), True, 0, Decision(SPEC)),
+        (request(), True, 64, Decision(AR, SATURATED)),
+        (request(), True, 63, Decision(SPEC)),
+        (request(), False, 0, Decision(AR, DRAFT_UNAVAILABLE)),
+        # "on" means speculate or fail: no rule overrides it.
+        (request(Speculation.ON, temperature=1.5), False, 100, Decision(SPEC)),
+    ],
+)
+def test_initial_decision(req, ready, active, expected):
+    assert SpeculationPolicy().initial(req, ready, active) == expected
+
+
+def test_thresholds_are_configurable_and_can_be_disabled():
+    policy = SpeculationPolicy(PolicyConfig(max_temperature=None, max_speculative_sessions=None))
+    assert policy.initial(request(temperature=2.0), True, 10_000) == Decision(SPEC)
+    strict = SpeculationPolicy(PolicyConfig(max_temperature=0.3, max_speculative_sessions=2))
+    assert strict.initial(request(temperature=0.5), True, 0) == Decision(AR, HIGH_TEMPERATURE)
+    assert strict.initial(request(), True, 2) == Decision(AR, SATURATED)
+
+
+# ---- the session controller --------------------------------------------------------------------
+
+CONFIG = AdaptiveConfig(window_rounds=8, warmup_rounds=4, min_acceptance=0.6, hysteresis=0.1,
+                        segment_rounds=16, min_segment_tokens=8, reprobe_after_tokens=32,
+                        max_reprobe_after_tokens=128, probe_tokens=12)
+
+
+def controller(start=Decision(SPEC), step_s=None, can_speculate=lambda: True, adaptive=True, config=CONFIG):
+    timer = StepTimer(alpha=1.0)
+    if step_s is not None:
+        timer.observe_step(step_s)
+    return SessionController(config, timer, start, policy=SpeculationPolicy(), can_speculate=can_speculate,
+                             adaptive=adaptive)
+
+
+def good(seconds=0.01):  # 4 of 4 accepted + bonus
+    return Round(committed=5, drafted=4, accepted=4, seconds=seconds)
+
+
+def bad(seconds=0.01):  # nothing accepted: the target's own token only
+    return Round(committed=1, drafted=4, accepted=0, seconds=seconds)
+
+
+def test_no_decision_before_the_warm_up():
+    c = controller()
+    leg, switch = c.next_leg()
+    assert (leg, switch) == (Leg(SPEC, 8), None)  # first leg: window_rounds x 1 token
+    for _ in range(3):
+        c.observe_round(bad())
+    assert c.next_leg() == (Leg(SPEC, 8), None)
+
+
+def test_low_acceptance_falls_back_after_the_warm_up():
+    c = controller()
+    for _ in range(4):
+        c.observe_round(bad())
+    leg, switch = c.next_leg()
+    assert switch == Decision(AR, LOW_ACCEPTANCE)
+    assert leg == Leg(AR, 32)  # Generate until the re-probe
+
+
+def test_high_acceptance_keeps_speculating_in_longer_segments():
+    c = controller(step_s=0.05)
+    for _ in range(4):
+        c.observe_round(good())
+    leg, switch = c.next_leg()
+    assert switch is None and leg == Leg(SPEC, 5 * 16)
+
+
+def test_slower_than_the_target_alone_falls_back():
+    # 5 tokens in 0.5 s = 0.1 s per token, the target alone takes 0.05 s per token.
+    c = controller(step_s=0.05)
+    for _ in range(4):
+        c.observe_round(good(seconds=0.5))
+    assert c.next_leg()[1] == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
+
+
+def test_a_small_slowdown_within_the_margin_does_not_switch():
+    c = controller(step_s=0.05)
+    for _ in range(4):
+        c.observe_round(good(seconds=5 * 0.054))  # 8% slower than the target: within h = 10%
+    assert c.next_leg()[1] is None
+
+
+def test_untimed_rounds_are_judged_on_acceptance_only():
+    c = controller(step_s=0.001)
+    for _ in range(4):
+        c.observe_round(good(seconds=None))
+    assert c.next_leg()[1] is None
+
+
+def fall_back_on_low_acceptance(c: SessionController) -> None:
+    for _ in range(4):
+        c.observe_round(bad())
+    assert c.next_leg()[1] == Decision(AR, LOW_ACCEPTANCE)
+
+
+def test_reprobe_after_n_tokens_and_return_when_the_probe_is_good():
+    c = controller(step_s=0.05)
+    fall_back_on_low_acceptance(c)
+    c.observe_autoregressive(31)
+    assert c.next_leg() == (Leg(AR, 1), None)
+    c.observe_autoregressive(1)
+    leg, switch = c.next_leg()
+    assert leg == Leg(SPEC, 12, probe=True) and switch == Decision(SPEC)
+    for _ in range(3):
+        c.observe_round(good())
+    leg, switch = c.next_leg()
+    assert switch is None and leg.mode is SPEC and not leg.probe
+
+
+def test_a_failed_probe_doubles_the_wait_before_the_next():
+    c = controller()
+    fall_back_on_low_acceptance(c)
+    for expected_wait in (64, 128, 128):  # doubled, up to the maximum
+        c.observe_autoregressive(10_000)
+        assert c.next_leg()[0].probe
+        c.observe_round(bad())
+        leg, switch = c.next_leg()
+        assert switch == Decision(AR, LOW_ACCEPTANCE) and leg == Leg(AR, expected_wait)
+
+
+def test_hysteresis_a_probe_just_above_the_bar_does_not_return():
+    # Acceptance 0.625 stays speculating (>= 0.6) but does not come back (< 0.6 x 1.1 = 0.66).
+    borderline = Round(committed=6, drafted=8, accepted=5, seconds=None)
+    c = controller()
+    for _ in range(4):
+        c.observe_round(borderline)
+    assert c.next_leg()[1] is None
+    fall_back_on_low_acceptance(controller())
+    c2 = controller()
+    fall_back_on_low_acceptance(c2)
+    c2.observe_autoregressive(32)
+    assert c2.next_leg()[0].probe
+    c2.observe_round(borderline)
+    assert c2.next_leg()[1] == Decision(AR, LOW_ACCEPTANCE)
+
+
+def test_draft_outage_reprobes_only_when_the_draft_may_be_used():
+    allowed = [False]
+    c = controller(can_speculate=lambda: allowed[0])
+    assert c.fall_back(DRAFT_UNAVAILABLE) == Decision(AR, DRAFT_UNAVAILABLE)
+    c.observe_autoregressive(32)
+    assert c.next_leg() == (Leg(AR, 1), None)  # breaker open: keep decoding, ask again soon
+    allowed[0] = True
+    leg, switch = c.next_leg()
+    assert leg.probe and switch == Decision(SPEC)
+
+
+def test_fixed_reasons_never_reprobe():
+    for reason in (SPECULATION_OFF, HIGH_TEMPERATURE):
+        c = controller(start=Decision(AR, reason))
+        c.observe_autoregressive(10_000)
+        assert c.next_leg() == (Leg(AR, 0), None)  # one unbounded Generate
+
+
+def test_speculation_on_is_never_switched_by_measurement():
+    c = controller(adaptive=False)
+    for _ in range(20):
+        c.observe_round(bad())
+    assert c.next_leg() == (Leg(SPEC, 0), None)  # one unbounded Speculate
+
+
+def test_disabled_adaptive_still_returns_after_a_draft_outage():
+    c = controller(config=AdaptiveConfig(enabled=False, reprobe_after_tokens=4))
+    c.fall_back(DRAFT_UNAVAILABLE)
+    c.observe_autoregressive(4)
+    leg, switch = c.next_leg()
+    assert leg.probe and switch == Decision(SPEC)
+    c.observe_round(bad())
+    assert c.next_leg() == (Leg(SPEC, 0), None)
+
+
+def test_step_timer_prefers_measured_steps_over_verify_times():
+    timer = StepTimer(alpha=0.5)
+    assert timer.step_s is None
+    timer.observe_verify(0.2)
+    assert timer.step_s == 0.2
+    timer.observe_step(0.1)
+    timer.observe_step(0.05)
+    assert timer.step_s == pytest.approx(0.075)
+
+
+# ---- the circuit breaker -----------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_unreachable_opens_at_once_and_a_later_healthy_probe_half_opens():
+    clock = Clock()
+    breaker = DraftBreaker(BreakerConfig(failure_threshold=3, cooldown_s=2.0), clock)
+    breaker.record_failure(DraftFailure.UNREACHABLE)
+    assert breaker.state is BreakerState.OPEN and not breaker.allows_speculation
+    clock.now += 1.0
+    breaker.probe(True)
+    assert breaker.state is BreakerState.OPEN  # cooling down
+    clock.now += 1.0
+    breaker.probe(True)
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows_speculation
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_plain_failures_open_only_after_the_threshold_in_a_row():
+    breaker = DraftBreaker(BreakerConfig(failure_threshold=3), Clock())
+    breaker.record_failure(DraftFailure.FAILED)
+    breaker.record_failure(DraftFailure.FAILED)
+    breaker.record_success()
+    breaker.record_failure(DraftFailure.FAILED)
+    breaker.record_failure(DraftFailure.FAILED)
+    assert breaker.state is BreakerState.CLOSED
+    breaker.record_failure(DraftFailure.FAILED)
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_a_draft_that_was_only_seen_down_by_health_probes_is_tried_as_soon_as_it_serves():
+    breaker = DraftBreaker(BreakerConfig(cooldown_s=2.0), Clock())
+    breaker.probe(False)  # e.g. still loading when the gateway started
+    assert breaker.state is BreakerState.OPEN
+    breaker.probe(True)
+    assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_a_failure_while_half_open_reopens_with_a_longer_cooldown():
+    clock = Clock()
+    breaker = DraftBreaker(BreakerConfig(cooldown_s=2.0, max_cooldown_s=3.0), clock)
+    breaker.record_failure(DraftFailure.UNREACHABLE)
+    assert breaker.state is BreakerState.OPEN
+    clock.now += 2.0
+    breaker.probe(True)
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.record_failure(DraftFailure.STALLED)
+    assert breaker.state is BreakerState.OPEN
+    clock.now += 2.5
+    breaker.probe(True)
+    assert breaker.state is BreakerState.OPEN  # the cooldown grew to 3 s
+    clock.now += 0.5
+    breaker.probe(True)
+    assert breaker.state is BreakerState.HALF_OPEN
