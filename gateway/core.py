@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from gateway.admission import AdmissionControl
 from gateway.errors import InvalidRequest, Overloaded, ShuttingDown
-from gateway.generation import Generation, GenerationDeps
+from gateway.deps import GenerationDeps
+from gateway.generation import Generation
 from gateway.monitor import UpstreamMonitor
 from gateway.served_model import ServedModel
 from gateway.validation import RequestFields, RequestValidator

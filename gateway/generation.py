@@ -35,27 +35,24 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.adaptive import AdaptiveConfig, Leg, Round, SessionController, StepTimer
+from gateway.adaptive import Leg, Round, SessionController
 from gateway.admission import Ticket
-from gateway.breaker import DraftBreaker, DraftFailure
+from gateway.breaker import DraftFailure
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import GatewayError, UpstreamFailure, UpstreamUnavailable
 from gateway.events import Event, Finished, SpeculationStats, TextDelta, Usage
+from gateway.deps import GenerationDeps
 from gateway.legs import Batch, DraftLegFailed, classify_draft_error, timed
-from gateway.pacer import Pacer, PacerConfig, paced
-from gateway.policy import DRAFT_UNAVAILABLE, Decision, Mode, SpeculationPolicy
+from gateway.pacer import Pacer, paced
+from gateway.policy import DRAFT_UNAVAILABLE, Decision, Mode
 from gateway.request import GenerationRequest, Smoothing, Speculation
-from gateway.served_model import ServedModel
 from gateway.stop import StopStringMatcher
-from gateway.upstream import DraftUpstream, TargetUpstream, UpstreamStream
+from gateway.upstream import UpstreamStream
 from tandem import telemetry  # mode-switch span events (tandem/telemetry.py)
-from tandem.config import GatewaySettings
-from tandem.metrics import Metrics
 from tandem.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -63,66 +60,6 @@ log = logging.getLogger(__name__)
 _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 # Fresh target sessions one request may need after draft failures before it gives up.
 MAX_RESYNCS = 3
-
-
-class BackgroundTasks:
-    """Keeps strong references to fire-and-forget tasks (asyncio holds only weak ones) so that a
-    session release started by a cancelled request still runs to completion."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-@dataclass(frozen=True)
-class SessionTuning:
-    """How sessions stream and switch, as the gateway's settings fix it."""
-
-    smoothing: Smoothing = Smoothing.OFF  # the default of requests that do not say
-    pacer: PacerConfig = PacerConfig()
-    adaptive: AdaptiveConfig = AdaptiveConfig()
-    # A Speculate stream silent for this long counts as a stalled draft.
-    draft_stall_timeout_s: float = 5.0
-
-    @classmethod
-    def from_settings(cls, settings: GatewaySettings) -> SessionTuning:
-        return cls(
-            smoothing=Smoothing(settings.stream_smoothing),
-            pacer=PacerConfig(max_delay_rounds=settings.stream_smoothing_max_delay_rounds),
-            adaptive=AdaptiveConfig.from_settings(settings),
-            draft_stall_timeout_s=settings.draft_stall_timeout_s,
-        )
-
-
-@dataclass
-class GenerationDeps:
-    """What a generation needs from the gateway; one instance is shared by all requests."""
-
-    target: TargetUpstream
-    draft: DraftUpstream
-    model: ServedModel
-    policy: SpeculationPolicy
-    metrics: Metrics
-    draft_ready: Callable[[], bool]
-    default_num_speculative_tokens: int
-    background: BackgroundTasks = field(default_factory=BackgroundTasks)
-    breaker: DraftBreaker = field(default_factory=DraftBreaker)
-    tuning: SessionTuning = field(default_factory=SessionTuning)
-    step_timer: StepTimer = field(default_factory=StepTimer)
-    # Sessions in progress (the saturation rule of the policy counts them).
-    active_sessions: int = 0
-
-    def can_speculate(self) -> bool:
-        return self.draft_ready() and self.breaker.allows_speculation
 
 
 class _Resync(Exception):

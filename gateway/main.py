@@ -24,7 +24,7 @@ import uvicorn
 from gateway.admission import AdmissionControl
 from gateway.breaker import BreakerConfig, DraftBreaker
 from gateway.core import GatewayCore
-from gateway.generation import GenerationDeps, SessionTuning
+from gateway.deps import GenerationDeps, SessionTuning
 from gateway.grpc_server import build_grpc_server
 from gateway.http_app import create_app
 from gateway.monitor import UpstreamMonitor

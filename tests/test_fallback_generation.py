@@ -11,7 +11,8 @@ from gateway.adaptive import AdaptiveConfig
 from gateway.breaker import BreakerConfig, BreakerState, DraftBreaker
 from gateway.errors import UpstreamUnavailable
 from gateway.events import Finished, TextDelta
-from gateway.generation import Generation, GenerationDeps, SessionTuning
+from gateway.deps import GenerationDeps, SessionTuning
+from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
 from gateway.request import GenerationRequest, Sampling, Smoothing, Speculation
 from gateway.served_model import ServedModel

@@ -6,7 +6,8 @@ import pytest
 
 from gateway.errors import UpstreamFailure, UpstreamUnavailable
 from gateway.events import Finished, TextDelta
-from gateway.generation import Generation, GenerationDeps
+from gateway.deps import GenerationDeps
+from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
 from gateway.request import GenerationRequest, Sampling, Speculation
 from gateway.served_model import ServedModel

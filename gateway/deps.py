@@ -1,0 +1,81 @@
+"""What every generation shares: upstream clients, policy, breaker, tuning and background tasks.
+
+One ``GenerationDeps`` is built by the gateway at start-up and handed to each ``Generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.adaptive import AdaptiveConfig, StepTimer
+from gateway.breaker import DraftBreaker
+from gateway.pacer import PacerConfig
+from gateway.policy import SpeculationPolicy
+from gateway.request import Smoothing
+from gateway.served_model import ServedModel
+from gateway.upstream import DraftUpstream, TargetUpstream
+from tandem.config import GatewaySettings
+from tandem.metrics import Metrics
+
+
+class BackgroundTasks:
+    """Keeps strong references to fire-and-forget tasks (asyncio holds only weak ones) so that a
+    session release started by a cancelled request still runs to completion."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class SessionTuning:
+    """How sessions stream and switch, as the gateway's settings fix it."""
+
+    smoothing: Smoothing = Smoothing.OFF  # the default of requests that do not say
+    pacer: PacerConfig = PacerConfig()
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+    # A Speculate stream silent for this long counts as a stalled draft.
+    draft_stall_timeout_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> SessionTuning:
+        return cls(
+            smoothing=Smoothing(settings.stream_smoothing),
+            pacer=PacerConfig(max_delay_rounds=settings.stream_smoothing_max_delay_rounds),
+            adaptive=AdaptiveConfig.from_settings(settings),
+            draft_stall_timeout_s=settings.draft_stall_timeout_s,
+        )
+
+
+@dataclass
+class GenerationDeps:
+    """What a generation needs from the gateway; one instance is shared by all requests."""
+
+    target: TargetUpstream
+    draft: DraftUpstream
+    model: ServedModel
+    policy: SpeculationPolicy
+    metrics: Metrics
+    draft_ready: Callable[[], bool]
+    default_num_speculative_tokens: int
+    background: BackgroundTasks = field(default_factory=BackgroundTasks)
+    breaker: DraftBreaker = field(default_factory=DraftBreaker)
+    tuning: SessionTuning = field(default_factory=SessionTuning)
+    step_timer: StepTimer = field(default_factory=StepTimer)
+    # Sessions in progress (the saturation rule of the policy counts them).
+    active_sessions: int = 0
+
+    def can_speculate(self) -> bool:
+        return self.draft_ready() and self.breaker.allows_speculation
