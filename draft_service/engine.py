@@ -19,7 +19,7 @@ from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, SpeculationLoop
 from draft_service.proposers.base import Proposer
 from draft_service.types import RoundResult, SessionSpec, TargetInfo
-from draft_service.worker import ModelWorker
+from tandem.model_worker import ModelWorker
 from tandem.metrics import Metrics
 
 log = logging.getLogger(__name__)

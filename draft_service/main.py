@@ -23,7 +23,7 @@ from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.target_client import TargetClient
 from draft_service.types import TargetInfo
-from draft_service.worker import ModelWorker
+from tandem.model_worker import ModelWorker
 from tandem import telemetry
 from tandem.config import DEFAULT_K, DraftSettings
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
@@ -92,7 +92,7 @@ async def start_draft(
     await health.not_serving()
     await server.start()
     target = TargetClient(target_address)
-    worker = ModelWorker()
+    worker = ModelWorker("draft-model")
     try:
         await target.wait_until_serving(target_wait_s)
         target_info = await target.info()

@@ -18,11 +18,12 @@ from typing import TypeVar
 import grpc
 
 from target_service.engine import TargetEngine
-from target_service.server import SERVICE_NAME, ModelWorker, TargetServicer
+from target_service.server import SERVICE_NAME, TargetServicer
 from tandem import telemetry
 from tandem.config import TargetSettings
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
 from tandem.metrics import Metrics, make_metrics, serve_metrics
+from tandem.model_worker import ModelWorker
 from tandem.v1 import target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class RunningTarget:
         if self._reaper is not None:
             self._reaper.cancel()
         await self.server.stop(grace_s)
-        self.worker.shutdown()
+        self.worker.shutdown(wait=False)
 
 
 async def start_target(engine: TargetEngine | None, host: str = "127.0.0.1", port: int = 0) -> RunningTarget:
@@ -66,7 +67,7 @@ async def start_target(engine: TargetEngine | None, host: str = "127.0.0.1", por
     UNAVAILABLE until ``attach``.
     """
     server = make_server(telemetry.server_interceptors(TRACED_METHODS))
-    worker = ModelWorker()
+    worker = ModelWorker("target-model")
     servicer = TargetServicer(worker)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])

@@ -8,11 +8,9 @@ checks, Info and new streams while the model computes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -28,6 +26,7 @@ from target_service.errors import (
     TokenizerMismatch,
     TooManySessions,
 )
+from tandem.model_worker import ModelWorker
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,19 +42,6 @@ _STATUS_CODES: dict[type[TargetError], grpc.StatusCode] = {
 }
 
 T = TypeVar("T")
-
-
-class ModelWorker:
-    """The single thread that runs every engine call, in submission order."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):

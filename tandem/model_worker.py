@@ -1,9 +1,9 @@
-"""The draft's one model thread.
+"""A service's one model thread (the target's and the draft's).
 
 Model forwards take milliseconds to seconds; running them on the event loop would stall every
-other session's gRPC traffic. One dedicated thread (not a pool) also means the proposer sessions
-are only ever touched by a single thread, in submission order, so they need no locks, and a
-session freed after a cancelled call cannot race the proposal still running for it.
+other session's gRPC traffic. One dedicated thread (not a pool) also serialises forward passes and
+means sessions are only ever touched by a single thread, in submission order, so they need no
+locks, and a session freed after a cancelled call cannot race the work still running for it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 class ModelWorker:
-    def __init__(self, name: str = "draft-model") -> None:
+    def __init__(self, name: str = "model") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
