@@ -57,6 +57,14 @@ def verify_chain(
     if num_draft_tokens is None:
         num_draft_tokens = torch.full((batch,), k, dtype=torch.long, device=device)  # [batch]
     present = torch.arange(k, device=device)[None, :] < num_draft_tokens[:, None]  # [batch, k]
+    argmax = target_logits.argmax(dim=-1)  # [batch, k+1]
+    greedy_ok = argmax[:, :k] == draft_token_ids  # [batch, k]
+    greedy = is_greedy(temperature)  # [batch]
+    if bool(greedy.all()):
+        # All-greedy batch (the common case): p is one-hot, so nothing over the vocabulary is needed
+        # beyond the argmax; same result as the general path below.
+        num_accepted = (greedy_ok & present).long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+        return num_accepted, argmax.gather(1, num_accepted[:, None])[:, 0]
 
     p = target_probs(target_logits, temperature, top_p, top_k)  # [batch, k+1, vocab]
     # q has no row k: the bonus position has no draft token; a zero row there keeps indexing uniform.
@@ -67,9 +75,6 @@ def verify_chain(
     p_draft = p[:, :k].gather(-1, draft_index)[..., 0]  # [batch, k]
     q_draft = q[:, :k].gather(-1, draft_index)[..., 0]  # [batch, k]
     sampled_ok = (p_draft > 0) & (uniforms.float() * q_draft <= p_draft)  # [batch, k]
-    argmax = target_logits.argmax(dim=-1)  # [batch, k+1]
-    greedy_ok = argmax[:, :k] == draft_token_ids  # [batch, k]
-    greedy = is_greedy(temperature)  # [batch]
     ok = torch.where(greedy[:, None], greedy_ok, sampled_ok) & present  # [batch, k]
     num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
 
