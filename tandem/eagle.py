@@ -1,0 +1,193 @@
+"""The feature-conditioned (EAGLE-style) draft head, its checkpoint format and the target tensors it borrows.
+
+The head never sees tokens the way a language model does. It takes the target's final hidden state
+at position t (post final norm: exactly what the target's LM head multiplies) and the target's
+embedding of token t+1, and predicts the target's final hidden state at t+1. That predicted state
+goes through the target's own LM head, restricted to a reduced vocabulary (the rows of the tokens
+the target actually emits most), to give token t+2. Drafting K tokens feeds the predicted state
+forward K times, so the head is trained on its own rollouts, not only one step ahead.
+
+Why this shape: the target's features already encode almost everything about the next token, so a
+two-layer MLP agrees with the target far more often than a small standalone LM; and borrowing the
+target's embedding and head rows keeps the shipped head a few MB (gemma-3-270m's 262k-row head is
+two thirds of that model).
+
+A checkpoint is a directory::
+
+    eagle.json          EagleConfig (json)
+    head.safetensors    the head's weights, plus ``vocab_ids`` [reduced] int64 (reduced -> target id)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+CONFIG_FILE = "eagle.json"
+WEIGHTS_FILE = "head.safetensors"
+# Built-in heads shipped in the package: target built-in name -> folder under tandem/data/eagle/.
+BUILTIN_HEADS_DIR = Path(__file__).parent / "data" / "eagle"
+
+
+class EagleCheckpointError(ValueError):
+    """A head directory that cannot be loaded, or that belongs to another target."""
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int  # the target's hidden size (features and embeddings)
+    inner_size: int  # the MLP's width
+    num_layers: int  # hidden layers of the MLP (>= 1)
+    reduced_vocab_size: int  # rows of the restricted LM head
+    target_vocab_size: int
+    target_model: str  # the target's SPEC or built-in name it was trained for
+    target_fingerprint: str  # tandem.models.tokenizer_fingerprint of the target's tokenizer
+    embed_tensor: str = "model.embed_tokens.weight"  # the target's input embedding in its safetensors
+    head_tensor: str = "model.embed_tokens.weight"  # the target's LM head rows (tied for Gemma)
+    logit_softcap: float | None = None  # the target's final_logit_softcapping
+    metadata: dict[str, Any] = field(default_factory=dict)  # how it was trained, what it measured
+
+
+class EagleHead(nn.Module):
+    """(feature_t, embed(token_{t+1})) -> predicted feature_{t+1}.
+
+    Both inputs are RMS-normalised first: features and Gemma's embeddings live on very different
+    scales. The output is a residual on the input feature, which is what it most resembles.
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        h, inner = config.hidden_size, config.inner_size
+        self.config = config
+        self.norm_feature = nn.RMSNorm(h, eps=1e-6)
+        self.norm_embed = nn.RMSNorm(h, eps=1e-6)
+        layers: list[nn.Module] = [nn.Linear(2 * h, inner)]
+        for _ in range(config.num_layers - 1):
+            layers += [nn.SiLU(), nn.Linear(inner, inner)]
+        layers += [nn.SiLU(), nn.Linear(inner, h)]
+        self.mlp = nn.Sequential(*layers)
+        self.out_scale = nn.Parameter(torch.ones(h))
+
+    def forward(self, feature: torch.Tensor, token_embed: torch.Tensor) -> torch.Tensor:
+        # feature, token_embed: [..., hidden] -> [..., hidden]
+        x = torch.cat([self.norm_feature(feature), self.norm_embed(token_embed)], dim=-1)  # [..., 2*hidden]
+        return feature + self.out_scale * self.mlp(x)
+
+
+@dataclass
+class TargetTensors:
+    """The only target weights the drafter needs."""
+
+    embed: torch.Tensor  # [target_vocab, hidden] (may stay bf16; rows are cast on lookup)
+    head_rows: torch.Tensor  # [reduced_vocab, hidden] float32: LM head rows of the reduced vocabulary
+
+
+def load_target_tensors(hf_dir: Path, config: EagleConfig, vocab_ids: torch.Tensor) -> TargetTensors:
+    """Reads the embedding and the reduced head rows from the target's safetensors, nothing else."""
+    from safetensors import safe_open
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in {config.embed_tensor, config.head_tensor} - found.keys():
+                if name in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                    found[name] = f.get_tensor(name)
+    missing = {config.embed_tensor, config.head_tensor} - found.keys()
+    if missing:
+        raise EagleCheckpointError(f"target checkpoint {hf_dir} has no tensor(s) {sorted(missing)}")
+    embed = found[config.embed_tensor]
+    if tuple(embed.shape) != (config.target_vocab_size, config.hidden_size):
+        raise EagleCheckpointError(
+            f"target embedding is {tuple(embed.shape)}, the head was trained for "
+            f"({config.target_vocab_size}, {config.hidden_size})"
+        )
+    head_rows = found[config.head_tensor].index_select(0, vocab_ids).float().contiguous()
+    return TargetTensors(embed=embed, head_rows=head_rows)
+
+
+class EagleDrafter:
+    """A loaded head plus the target tensors: one drafting step at a time, batched over rows."""
+
+    def __init__(self, head: EagleHead, vocab_ids: torch.Tensor, target: TargetTensors) -> None:
+        self.head = head.eval()
+        self.config = head.config
+        self.vocab_ids = vocab_ids  # [reduced] int64, reduced index -> target id
+        self.target = target
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # [b] -> [b, hidden] float32
+        return self.target.embed.index_select(0, token_ids).float()
+
+    @torch.inference_mode()
+    def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """feature [b, hidden] at t, token_ids [b] at t+1 -> (feature [b, hidden] at t+1, logits [b, reduced])."""
+        predicted = self.head(feature.float(), self.embed(token_ids))  # [b, hidden]
+        logits = predicted @ self.target.head_rows.T  # [b, reduced]
+        cap = self.config.logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return predicted, logits
+
+
+def save_head(directory: Path, head: EagleHead, vocab_ids: torch.Tensor, dtype: torch.dtype = torch.float16) -> None:
+    """Writes ``eagle.json`` and ``head.safetensors`` (weights in ``dtype``, vocab ids int64)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()}
+    tensors["vocab_ids"] = vocab_ids.to(torch.int64).contiguous()
+    tmp = directory / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(directory / WEIGHTS_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=2, sort_keys=True) + "\n")
+
+
+def is_head_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def load_head(directory: Path) -> tuple[EagleHead, torch.Tensor]:
+    """(head in float32, eval mode; vocab_ids [reduced] int64)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not is_head_dir(directory):
+        raise EagleCheckpointError(f"{directory} is not an eagle head directory (no {CONFIG_FILE})")
+    try:
+        config = EagleConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    except (TypeError, ValueError) as exc:
+        raise EagleCheckpointError(f"{directory / CONFIG_FILE} is not a valid eagle config: {exc}") from exc
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    vocab_ids = tensors.pop("vocab_ids")
+    if vocab_ids.shape != (config.reduced_vocab_size,):
+        raise EagleCheckpointError(f"vocab_ids has shape {tuple(vocab_ids.shape)}, config says {config.reduced_vocab_size}")
+    head = EagleHead(config)
+    head.load_state_dict({name: t.float() for name, t in tensors.items()})
+    return head.eval(), vocab_ids
+
+
+def builtin_head_dir(target_name: str) -> Path | None:
+    """The shipped head for a built-in target, if there is one."""
+    path = BUILTIN_HEADS_DIR / target_name
+    return path if is_head_dir(path) else None
+
+
+__all__ = [
+    "EagleCheckpointError",
+    "EagleConfig",
+    "EagleDrafter",
+    "EagleHead",
+    "TargetTensors",
+    "builtin_head_dir",
+    "is_head_dir",
+    "load_head",
+    "load_target_tensors",
+    "save_head",
+]
