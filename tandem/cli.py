@@ -1,4 +1,5 @@
-"""The ``tandem`` command: one sub-command per service, plus ``serve`` (all three) and ``bench``.
+"""The ``tandem`` command: one sub-command per service, ``serve`` (all three), and the tools
+(``bench``, ``calibrate``, ``distill``).
 
 Every flag has an env twin ``TANDEM_<FLAG>`` (pydantic-settings); a flag given on the command line
 wins. Flags are generated from the settings classes, so a new setting is a new flag for free.
@@ -58,20 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_settings_flags(p, settings_cls)
         p.set_defaults(settings_cls=settings_cls)
-    bench = sub.add_parser("bench", help="measure speculative against autoregressive decoding")
-    from tandem import bench as bench_module
-
-    bench_module.add_arguments(bench)
-    bench.set_defaults(settings_cls=None)
+    tools = {
+        "bench": "measure speculative against autoregressive decoding",
+        "calibrate": "KL divergence and expected acceptance of a draft/target pair, recommended K",
+        "distill": "train a draft (eagle head or standalone) for a target on the target's own outputs",
+    }
+    for name, help_text in tools.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _tool_module(name).add_arguments(p)
+        p.set_defaults(settings_cls=None)
     return parser
+
+
+def _tool_module(name: str) -> Any:
+    """``tandem.bench`` / ``tandem.calibrate`` / ``tandem.distill``: each has add_arguments and main."""
+    import importlib
+
+    return importlib.import_module(f"tandem.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from tandem import bench as bench_module
-
-        return bench_module.main(args)
+    if args.settings_cls is None:
+        return _tool_module(args.command).main(args)
     settings = settings_from(args, args.settings_cls)
     from tandem.logs import setup_logging
 
