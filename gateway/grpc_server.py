@@ -33,6 +33,11 @@ _SPECULATION = {
     common_pb2.SPECULATION_MODE_ON: "on",
     common_pb2.SPECULATION_MODE_OFF: "off",
 }
+_SMOOTHING = {
+    gateway_pb2.STREAM_SMOOTHING_UNSPECIFIED: None,
+    gateway_pb2.STREAM_SMOOTHING_OFF: "off",
+    gateway_pb2.STREAM_SMOOTHING_AUTO: "auto",
+}
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
@@ -57,6 +62,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
             request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         ),
         ignore_eos=request.ignore_eos,
+        stream_smoothing=_SMOOTHING.get(request.stream_smoothing, str(request.stream_smoothing)),
     )
     if request.messages:
         fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]

@@ -100,11 +100,29 @@ BAD_GRPC = [
     ("top_k -1", Request(prompt="hi", top_k=-1)),
     ("unknown model", Request(prompt="hi", model="no-such-model")),
     ("unknown speculation mode", Request(prompt="hi", speculation=99)),
+    ("unknown stream smoothing", Request(prompt="hi", stream_smoothing=99)),
     ("num_speculative_tokens 0", Request(prompt="hi", num_speculative_tokens=0)),
     ("num_speculative_tokens 65", Request(prompt="hi", num_speculative_tokens=65)),
     ("unknown chat role", Request(messages=[Message(role="wizard", content="hi")])),
     ("empty stop string", Request(prompt="hi", stop=[""])),
 ]
+
+
+async def test_stream_smoothing_override_keeps_tokens_and_usage(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), stream_smoothing="off", token_delay=0.005) as stack:
+        async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
+            raw = await generate(ch, Request(prompt="Once upon", max_tokens=60, temperature=0))
+            paced = await generate(ch, Request(prompt="Once upon", max_tokens=60, temperature=0,
+                                               stream_smoothing=gateway_pb2.STREAM_SMOOTHING_AUTO))
+            off = await generate(ch, Request(prompt="Once upon", max_tokens=60, temperature=0,
+                                             stream_smoothing=gateway_pb2.STREAM_SMOOTHING_OFF))
+        await stack.wait_until_idle()
+    tokens = [[t for c in chunks for t in c.token_ids] for chunks in (raw, paced, off)]
+    assert tokens[0] == tokens[1] == tokens[2] == stack.model.expected_tokens(1000)
+    assert raw[-1].usage == paced[-1].usage == off[-1].usage
+    # Raw and OFF: one chunk per round of several tokens; paced: one chunk per token.
+    assert len(paced) > len(raw) == len(off)
+    assert max(len(c.token_ids) for c in paced) == 1
 
 
 async def test_bad_input_table_gets_invalid_argument_and_service_goes_on(stack, channel):
