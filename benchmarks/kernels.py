@@ -16,11 +16,23 @@ more about the reference than about the kernel), ``compact_kv`` (Llama-3-8B's 32
 8 KV heads of 128, 1k positions per request; k = accepted path length, every other node of a tree
 of 2k; bytes = the path's rows, read once; the writes are as many again).
 
+``tree_attention`` (the attention of a verify pass, ``kernels.tree_attention``): Llama-3-8B's
+32 query heads over 8 KV heads of 128, bf16, a random tree of k draft nodes plus the root (k = 0:
+a single-token decode step with the same kernel) over a context of 1k and 8k positions; bytes =
+the K and V the step must read (``2 * batch * 8 * context * 128 * 2``); its rows add the context,
+``vs_decode`` (the step's time over the same kernel's single-token decode at that batch and
+context; goal at k = 8: <= 1.3) and ``vs_sdpa_decode`` (over PyTorch SDPA's single-token decode,
+``enable_gqa``, at that batch and context). Its reference materialises float32 copies of the
+cache, so its speedup mostly says how much memory the reference wastes.
+
 Modes: ``greedy`` (temperature 0, one-hot q: prompt lookup or a greedy draft), ``sampled`` (T = 1,
 a draft sampling from its top-8, so q has m = 8 ids per position) and ``sampled-topp-topk``
 (``sampled`` with top_p = 0.9 and top_k = 50: the bisection passes of the kernel).
 
-    python benchmarks/kernels.py [--json PATH] [--peak-tbps 4.8]
+    python benchmarks/kernels.py [--json PATH] [--peak-tbps 4.8] [--ops verify,tree_attention,...]
+
+``--ops`` picks op groups (``verify``: verify_chain and sample_tokens; ``tree``; ``compact_kv``;
+``tree_attention``); the JSON is rewritten after each group, so a run cut short keeps its rows.
 
 Exits with status 2 and a message on a machine without CUDA. Speed is measured here, never
 asserted by a unit test (DESIGN §6).
@@ -32,6 +44,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,6 +56,9 @@ BATCHES = (1, 8, 32)
 DRAFT_LENGTHS = (1, 4, 8)
 TREE_SIZES = (4, 8)  # draft nodes per tree (random trees: node i's parent uniform in 0..i-1)
 KV_LAYERS, KV_HEADS, HEAD_DIM, KV_CONTEXT = 32, 8, 128, 1024  # Llama-3-8B's cache, 1k positions
+Q_HEADS = 32  # Llama-3-8B's query heads (GQA group 4 over KV_HEADS)
+ATTENTION_CONTEXTS = (1024, 8192)  # positions in the cache (prefix + block) for tree_attention
+OP_GROUPS = ("verify", "tree", "compact_kv", "tree_attention")
 DRAFT_TOP_M = 8  # ids per position of a sampling draft's sparse q
 MODES = {  # name: (temperature, top_p, top_k, m)
     "greedy": (0.0, 0.0, 0, 1),
@@ -64,6 +80,9 @@ class Row:
     achieved_tbps: float
     hbm_fraction: float
     matches_reference: bool
+    context: int = 0  # tree_attention only: cache positions read
+    vs_decode: float = 0.0  # tree_attention only: triton_us / the same kernel's single-token decode
+    vs_sdpa_decode: float = 0.0  # tree_attention only: triton_us / PyTorch SDPA's single-token decode
 
 
 def _inputs(batch: int, k: int, mode: str, generator: torch.Generator):
@@ -113,18 +132,33 @@ def _time_us(fn) -> float:
     return 1000.0 * do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run(peak_tbps: float) -> list[Row]:
-    import kernels.reference as reference
+def run(peak_tbps: float, ops=OP_GROUPS, on_rows=lambda rows: None) -> list[Row]:
+    """Every row of the op groups in ``ops``; ``on_rows(rows so far)`` after each group."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[Row] = []
+    if "verify" in ops or "tree" in ops:
+        rows += _verification_rows(peak_tbps, generator, ops)
+        on_rows(rows)
+    if "compact_kv" in ops:
+        rows += _compact_kv_rows(peak_tbps, generator)
+        on_rows(rows)
+    if "tree_attention" in ops:
+        rows += _tree_attention_rows(peak_tbps, generator)
+        on_rows(rows)
+    return rows
+
+
+def _verification_rows(peak_tbps: float, generator: torch.Generator, ops) -> list[Row]:
     import kernels.reference.tree as reference_tree
     import kernels.sampling as kernel_sampling
     import kernels.tree as kernel_tree
     import kernels.verify as kernel_verify
+    from kernels import reference
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
     rows: list[Row] = []
     for mode in MODES:
         for batch in BATCHES:
-            for k in (0, *DRAFT_LENGTHS):
+            for k in (0, *DRAFT_LENGTHS) if "verify" in ops else ():
                 args = _inputs(batch, k, mode, generator)
                 if k == 0:  # the autoregressive step: sample_tokens on the single row
                     logits, *_, temperature, top_p, top_k, _, exponentials = args
@@ -132,28 +166,27 @@ def run(peak_tbps: float) -> list[Row]:
                     op = "sample_tokens"
                     got = kernel_sampling.sample_tokens(*sample_args)
                     want = reference.sample_tokens(*sample_args)
-                    kernel_us = _time_us(lambda: kernel_sampling.sample_tokens(*sample_args))
-                    reference_us = _time_us(lambda: reference.sample_tokens(*sample_args))
+                    kernel_us = _time_us(partial(kernel_sampling.sample_tokens, *sample_args))
+                    reference_us = _time_us(partial(reference.sample_tokens, *sample_args))
                     matches = torch.equal(got, want)
                 else:
                     op = "verify_chain"
                     got = kernel_verify.verify_chain(*args)
                     want = reference.verify_chain(*args)
-                    kernel_us = _time_us(lambda: kernel_verify.verify_chain(*args))
-                    reference_us = _time_us(lambda: reference.verify_chain(*args))
+                    kernel_us = _time_us(partial(kernel_verify.verify_chain, *args))
+                    reference_us = _time_us(partial(reference.verify_chain, *args))
                     matches = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
                 nbytes = _bytes_read(args, mode)
                 rows.append(_row(op, mode, batch, k, kernel_us, reference_us, nbytes, matches, peak_tbps))
-            for n in TREE_SIZES:
+            for n in TREE_SIZES if "tree" in ops else ():
                 args = _tree_inputs(batch, n, mode, generator)
                 got, want = kernel_tree.verify_tree(*args), reference_tree.verify_tree(*args)
                 matches = all(torch.equal(a, b) for a, b in zip(got, want))
-                kernel_us = _time_us(lambda: kernel_tree.verify_tree(*args))
-                reference_us = _time_us(lambda: reference_tree.verify_tree(*args))
+                kernel_us = _time_us(partial(kernel_tree.verify_tree, *args))
+                reference_us = _time_us(partial(reference_tree.verify_tree, *args))
                 chain_args = (args[0], args[1], *args[3:])  # the same tensors without the parents
                 rows.append(_row("verify_tree", mode, batch, n, kernel_us, reference_us, _bytes_read(chain_args, mode),
                                  matches, peak_tbps))
-    rows += _compact_kv_rows(peak_tbps, generator)
     return rows
 
 
@@ -175,37 +208,90 @@ def _compact_kv_rows(peak_tbps: float, generator: torch.Generator) -> list[Row]:
             kernel_compact.compact_kv(caches, base, accepted, num)
             matches = all(torch.equal(a, b) for a, b in zip(caches, expected))
             del expected
-            kernel_us = _time_us(lambda: kernel_compact.compact_kv(caches, base, accepted, num))
-            reference_us = _time_us(lambda: reference_compact.compact_kv(caches, base, accepted, num))
+            kernel_us = _time_us(partial(kernel_compact.compact_kv, caches, base, accepted, num))
+            reference_us = _time_us(partial(reference_compact.compact_kv, caches, base, accepted, num))
             nbytes = 2 * KV_LAYERS * batch * KV_HEADS * k * HEAD_DIM * 2
             rows.append(_row("compact_kv", "bf16", batch, k, kernel_us, reference_us, nbytes, matches, peak_tbps))
         del caches
     return rows
 
 
-def _row(op, mode, batch, k, kernel_us, reference_us, nbytes, matches, peak_tbps) -> Row:
+def _tree_attention_rows(peak_tbps: float, generator: torch.Generator, device: str = "cuda") -> list[Row]:
+    """Tree attention at Llama-3-8B shapes, every context and batch (see the module doc)."""
+    rows = []
+    for context in ATTENTION_CONTEXTS:
+        for batch in BATCHES:
+            rows += _tree_attention_case(peak_tbps, generator, context, batch, device)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _tree_attention_case(
+    peak_tbps: float, generator: torch.Generator, context: int, batch: int, device: str = "cuda"
+) -> list[Row]:
+    """One cache of ``context`` positions for ``batch`` requests; k = 0 first: the decode baseline."""
+    import kernels.reference.tree_attention as reference_attention
+    import kernels.tree_attention as kernel_attention
+
+    def cache() -> torch.Tensor:  # [batch, kv_heads, context, head_dim]
+        return torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, generator=generator).bfloat16()
+
+    def queries(n_q: int) -> torch.Tensor:  # [batch, q_heads, n_q, head_dim]
+        return torch.randn(batch, Q_HEADS, n_q, HEAD_DIM, device=device, generator=generator).bfloat16()
+
+    k_cache, v_cache = cache(), cache()
+    nbytes = 2 * k_cache.numel() * k_cache.element_size()  # K and V, each read once
+    sdpa_decode = partial(torch.nn.functional.scaled_dot_product_attention, queries(1), k_cache, v_cache,
+                          enable_gqa=True)
+    sdpa_us = _time_us(sdpa_decode)
+    rows, decode_us = [], 0.0
+    for k in (0, *DRAFT_LENGTHS):
+        q = queries(k + 1)
+        parents = [-1] + [int(torch.randint(0, i, (1,), device=device, generator=generator)) for i in range(1, k + 1)]
+        tables = kernel_attention.tree_tables(parents, k + 1, device)  # once per forward, as in the glue
+        kernel = partial(kernel_attention.tree_attention, q, k_cache, v_cache, parents, tables=tables)
+        reference = partial(reference_attention.tree_attention, q, k_cache, v_cache, parents)
+        matches = (kernel().float() - reference().float()).abs().max().item() <= 2e-2
+        kernel_us, reference_us = _time_us(kernel), _time_us(reference)
+        decode_us = decode_us or kernel_us  # k = 0 comes first
+        rows.append(_row("tree_attention", "bf16", batch, k, kernel_us, reference_us, nbytes, matches, peak_tbps,
+                         context=context, vs_decode=round(kernel_us / decode_us, 3),
+                         vs_sdpa_decode=round(kernel_us / sdpa_us, 3)))
+    return rows
+
+
+def _row(op, mode, batch, k, kernel_us, reference_us, nbytes, matches, peak_tbps, **extra) -> Row:
     tbps = nbytes / (kernel_us * 1e-6) / 1e12
     row = Row(op, mode, batch, k, round(kernel_us, 2), round(reference_us, 2), round(reference_us / kernel_us, 2),
-              nbytes, round(tbps, 3), round(tbps / peak_tbps, 3), matches)
+              nbytes, round(tbps, 3), round(tbps / peak_tbps, 3), matches, **extra)
     print(_format(row), flush=True)
     return row
 
 
-HEADER = (f"{'op':<14}{'mode':<19}{'batch':>6}{'k':>4}{'triton us':>11}{'ref us':>11}{'speedup':>9}"
+HEADER = (f"{'op':<16}{'mode':<19}{'batch':>6}{'k':>4}{'triton us':>11}{'ref us':>11}{'speedup':>9}"
           f"{'MB read':>9}{'TB/s':>7}{'HBM %':>7}  match")
 
 
 def _format(row: Row) -> str:
-    return (f"{row.op:<14}{row.mode:<19}{row.batch:>6}{row.k:>4}{row.triton_us:>11.1f}{row.reference_us:>11.1f}"
+    return (f"{row.op:<16}{row.mode:<19}{row.batch:>6}{row.k:>4}{row.triton_us:>11.1f}{row.reference_us:>11.1f}"
             f"{row.speedup:>8.1f}x{row.bytes_read / 1e6:>9.2f}{row.achieved_tbps:>7.2f}{100 * row.hbm_fraction:>6.1f}%"
-            f"  {'yes' if row.matches_reference else 'NO'}")
+            f"  {'yes' if row.matches_reference else 'NO'}"
+            + (f"  context {row.context:>5}  vs decode {row.vs_decode:.2f}x  vs SDPA decode {row.vs_sdpa_decode:.2f}x"
+               if row.context else ""))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=Path("kernels_benchmark.json"), help="where to write the rows")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="the GPU's HBM bandwidth (H200: 4.8 TB/s)")
+    parser.add_argument("--ops", default=",".join(OP_GROUPS),
+                        help=f"comma-separated op groups to measure, among {', '.join(OP_GROUPS)} (default: all)")
     options = parser.parse_args()
+    ops = tuple(op.strip() for op in options.ops.split(",") if op.strip())
+    unknown = sorted(set(ops) - set(OP_GROUPS))
+    if unknown:
+        parser.error(f"unknown op group(s) {', '.join(unknown)}; choose among {', '.join(OP_GROUPS)}")
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py measures the Triton kernels on a CUDA GPU, and this machine has none "
               "(torch.cuda.is_available() is False); nothing was measured.", file=sys.stderr)
@@ -215,21 +301,23 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"vocab {VOCAB}, bf16 logits, peak {options.peak_tbps} TB/s")
     print(HEADER, flush=True)
-    rows = run(options.peak_tbps)
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "vocab": VOCAB,
-        "peak_tbps": options.peak_tbps,
-        "rows": [asdict(row) for row in rows],
-    }
-    options.json.parent.mkdir(parents=True, exist_ok=True)
-    options.json.write_text(json.dumps(report, indent=2))
+
+    def write(rows: list[Row]) -> None:
+        report = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "vocab": VOCAB,
+            "peak_tbps": options.peak_tbps,
+            "rows": [asdict(row) for row in rows],
+        }
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(report, indent=2))
+
+    rows = run(options.peak_tbps, ops, on_rows=write)
     differing = sum(not row.matches_reference for row in rows)
     print(f"\nwrote {options.json}; {differing} configuration(s) differ from the reference")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -85,7 +86,7 @@ def replay(rounds: list[tuple[float, int]], config: PacerConfig) -> tuple[list[f
 
 
 def _gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def _raw_releases(rounds: list[tuple[float, int]]) -> list[float]:
