@@ -19,8 +19,8 @@ from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, SpeculationLoop
 from draft_service.proposers.base import Proposer
 from draft_service.types import RoundResult, SessionSpec, TargetInfo
-from tandem.model_worker import ModelWorker
 from tandem.metrics import Metrics
+from tandem.model_worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class DraftEngine:
                 self._worker.run,
                 max_context_len=self.target_info.max_context_len,
                 tokenizer_fingerprint=self.proposer.tokenizer_fingerprint,
+                want_hidden_states=self.proposer.wants_hidden_states,
             )
             async for result in loop.rounds():
                 if result.verified:
@@ -151,5 +152,5 @@ class DraftEngine:
         try:
             await asyncio.wait_for(self._target.release(session_id), self._release_timeout_s)
             log.info("released abandoned session %r in the target", session_id)
-        except Exception as exc:  # the target's TTL frees it eventually
+        except Exception as exc:  # noqa: BLE001 (the target's TTL frees it eventually)
             log.warning("could not release session %r in the target: %r", session_id, exc)

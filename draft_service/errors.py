@@ -32,3 +32,7 @@ class ProtocolError(RuntimeError):
 
 class TargetUnavailableError(RuntimeError):
     """The target did not become SERVING in time (start-up only)."""
+
+
+class IncompatibleDraftError(RuntimeError):
+    """A draft that cannot serve this target (an eagle head trained for another target); start-up only."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.proposers.base import ProposerSession
 from draft_service.types import DraftBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
+
+if TYPE_CHECKING:
+    import torch
 
 # Runs fn(*args) on the draft's model thread (``ModelWorker.run``).
 RunModel = Callable[..., Awaitable[Any]]
@@ -45,6 +48,7 @@ class SpeculationLoop:
         *,
         max_context_len: int = 0,
         tokenizer_fingerprint: str = "",
+        want_hidden_states: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._spec = spec
@@ -53,6 +57,7 @@ class SpeculationLoop:
         self._run_model = run_model
         self._max_context_len = max_context_len
         self._fingerprint = tokenizer_fingerprint
+        self._want_hidden_states = want_hidden_states
         self._clock = clock
         self._committed_len = len(spec.token_ids)  # of the sequence as the target has it
         self._streamed = 0
@@ -60,14 +65,15 @@ class SpeculationLoop:
         self._stale_in_a_row = 0
         # The proposer learns a verdict lazily, in the same model-thread call as the next proposal,
         # so the verdict's tokens are streamed without waiting for a thread hop.
-        self._pending_commit: tuple[int, tuple[int, ...]] | None = None
+        # (base_len, committed tokens, their hidden states [n, hidden] or None)
+        self._pending_commit: tuple[int, tuple[int, ...], torch.Tensor | None] | None = None
 
     async def rounds(self) -> AsyncIterator[RoundResult]:
         while not self._call_budget_spent():
             started = self._clock()
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
-            self._pending_commit = (base_len, ())  # a refused block still has to be rolled back
+            self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             verdict = await self._verify(base_len, proposal)
             if verdict.status is VerdictStatus.STALE:
                 self._on_stale(verdict)
@@ -86,7 +92,7 @@ class SpeculationLoop:
                 )
                 return
             committed = self._check_ok(base_len, proposal, verdict)
-            self._pending_commit = (base_len, committed)
+            self._pending_commit = (base_len, committed, verdict.hidden_states)
             self._committed_len += len(committed)
             self._streamed += len(committed)
             yield RoundResult(
@@ -122,8 +128,15 @@ class SpeculationLoop:
     def _call_budget_spent(self) -> bool:
         return 0 < self._spec.max_new_tokens <= self._streamed
 
-    def _commit_and_propose(self, commit: tuple[int, Sequence[int]] | None, k: int) -> Proposal:
-        """Runs on the model thread: apply the last verdict, then draft up to k tokens."""
+    def _commit_and_propose(
+        self, commit: tuple[int, Sequence[int], torch.Tensor | None] | None, k: int
+    ) -> Proposal:
+        """Runs on the model thread: apply the last verdict, then draft up to k tokens.
+
+        An empty proposal still makes a block: the target then commits one token, like a decode
+        step (and returns the hidden state that produced it, which is how a feature-conditioned
+        proposer gets its first feature).
+        """
         if commit is not None:
             self._proposer.commit(*commit)
         proposal = self._proposer.propose(k) if k > 0 else Proposal()
@@ -138,6 +151,7 @@ class SpeculationLoop:
             base_len=base_len,
             proposal=proposal,
             tokenizer_fingerprint=self._fingerprint,
+            return_hidden_states=self._want_hidden_states,
         )
         self._next_block_id += 1
         verdict = await self._verifier.verify(block)

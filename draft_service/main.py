@@ -2,8 +2,9 @@
 ``start_draft`` for in-process use (tests, embedding).
 
 Start-up order: bind gRPC with health NOT_SERVING, wait until the target is SERVING (so draft and
-target may start in any order), read its Info, build the proposer, refuse a draft whose tokenizer
-differs from the target's, warm the proposer up, then report SERVING.
+target may start in any order), read its Info, build the proposer (an eagle head is checked
+against the target's Info before its tensors load), refuse a draft whose tokenizer differs from
+the target's, warm the proposer up, then report SERVING.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from dataclasses import dataclass
 import grpc
 
 from draft_service.engine import DraftEngine
-from draft_service.errors import TokenizerMismatchError
+from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
 from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.target_client import TargetClient
 from draft_service.types import TargetInfo
-from tandem.model_worker import ModelWorker
 from tandem import telemetry
 from tandem.config import DEFAULT_K, DraftSettings
+from tandem.eagle import EagleCheckpointError
 from tandem.grpc_util import Health, bind, enable_reflection, make_server
 from tandem.logs import setup_logging
 from tandem.metrics import Metrics, make_metrics, serve_metrics
+from tandem.model_worker import ModelWorker
 from tandem.models import ModelSpecError
 from tandem.v1 import draft_pb2_grpc
 
@@ -130,14 +132,15 @@ def run(settings: DraftSettings) -> None:
     """Runs the draft service until SIGINT or SIGTERM (``tandem draft``). Blocking.
 
     Waits for the target as long as it takes. A draft that cannot serve this target (tokenizer
-    mismatch, a SPEC naming no model) exits with SystemExit and a one-line reason, not a traceback.
+    mismatch, an eagle head trained for another target, a SPEC naming no model) exits with
+    SystemExit and a one-line reason, not a traceback.
     """
     if not logging.getLogger().handlers:  # ``tandem draft`` has set it up already
         setup_logging("draft", settings.log_level)
     telemetry.setup_tracing("draft")
     try:
         asyncio.run(_serve_until_signalled(settings))
-    except (TokenizerMismatchError, ModelSpecError) as exc:
+    except (TokenizerMismatchError, IncompatibleDraftError, EagleCheckpointError, ModelSpecError) as exc:
         raise SystemExit(f"tandem draft: {exc}") from exc
     finally:
         telemetry.shutdown_tracing()

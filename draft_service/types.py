@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.Enum):
@@ -89,6 +93,8 @@ class DraftBlock:
     base_len: int
     proposal: Proposal
     tokenizer_fingerprint: str = ""
+    # Ask the target for this block's hidden states (feature-conditioned proposers).
+    return_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ class Verdict:
     committed_len: int = 0  # after this verdict (STALE: the target's current length)
     finish_reason: FinishReason = FinishReason.NONE
     verify_seconds: float = 0.0
+    # [len(committed_token_ids), hidden] float32 when the block asked for them: row i is the
+    # target's final hidden state at the position whose logits produced committed_token_ids[i].
+    hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -127,3 +136,4 @@ class TargetInfo:
     tokenizer_fingerprint: str
     max_context_len: int = 0  # 0 = unknown
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_size: int = 0  # 0 = unknown

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import torch
+
 from draft_service.errors import ProtocolError
 from draft_service.types import (
     DraftBlock,
@@ -74,6 +79,7 @@ def verify_request(block: DraftBlock) -> target_pb2.VerifyRequest:
         ],
         block_id=block.block_id,
         tokenizer_fingerprint=block.tokenizer_fingerprint,
+        return_hidden_states=block.return_hidden_states,
     )
 
 
@@ -89,7 +95,25 @@ def verdict_from_response(response: target_pb2.VerifyResponse) -> Verdict:
         committed_len=response.committed_len,
         finish_reason=_FINISH_FROM_WIRE.get(response.finish_reason, FinishReason.NONE),
         verify_seconds=response.verify_seconds,
+        hidden_states=hidden_states(response.hidden_states) if response.HasField("hidden_states") else None,
     )
+
+
+_HIDDEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def hidden_states(message: common_pb2.HiddenStates) -> torch.Tensor:
+    """A ``HiddenStates`` message as a float32 tensor of its shape (e.g. [positions, hidden])."""
+    dtype = _HIDDEN_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise ProtocolError(f"hidden states have dtype {message.dtype!r}; expected one of {sorted(_HIDDEN_DTYPES)}")
+    shape = tuple(message.shape)
+    if any(d < 0 for d in shape) or len(message.data) != 2 * math.prod(shape):
+        raise ProtocolError(f"hidden states of shape {list(shape)} come with {len(message.data)} bytes")
+    # Little-endian 16-bit words on the wire -> native order (a copy, so torch gets a writable
+    # buffer), then reinterpreted as the float type.
+    words = np.frombuffer(message.data, dtype="<u2").astype(np.uint16).view(np.int16)  # [prod(shape)]
+    return torch.from_numpy(words).view(dtype).reshape(shape).float()
 
 
 def target_info_from_response(response: target_pb2.TargetServiceInfoResponse) -> TargetInfo:
@@ -99,4 +123,5 @@ def target_info_from_response(response: target_pb2.TargetServiceInfoResponse) ->
         tokenizer_fingerprint=response.tokenizer_fingerprint,
         max_context_len=response.max_context_len,
         eos_token_ids=tuple(response.eos_token_ids),
+        hidden_size=response.hidden_size,
     )

@@ -11,8 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.models import DEFAULT_TARGET
 
-DEFAULT_DRAFT = "ngram"
+# "eagle": the feature-conditioned head shipped for the default target (tandem/data/eagle/).
+DEFAULT_DRAFT = "eagle"
 DEFAULT_K = 5
+DRAFT_HELP = "draft SPEC, 'eagle' (the head shipped for the target), an eagle head directory, or 'ngram'"
 
 PORTS = {
     "gateway_http": 8000,
@@ -52,7 +54,10 @@ class TargetSettings(_Base):
 
 
 class DraftSettings(_Base):
-    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, "draft SPEC, or 'ngram'")
+    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, DRAFT_HELP)
+    target_model: str = _model_field(
+        "target_model", DEFAULT_TARGET, "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head"
+    )
     target_address: str = Field(f"127.0.0.1:{PORTS['target_grpc']}", description="target gRPC address")
     port: int = Field(PORTS["draft_grpc"], description="gRPC port")
     metrics_port: int = Field(PORTS["draft_metrics"], description="Prometheus port (0 = off)")
@@ -102,7 +107,7 @@ class ServeSettings(_Base):
     """``tandem serve``: the three services as child processes on one host."""
 
     target_model: str = _model_field("target_model", DEFAULT_TARGET, "target model SPEC")
-    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, "draft SPEC, or 'ngram'")
+    draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, DRAFT_HELP)
     served_model_name: str | None = Field(None, description="model id (default: from the target SPEC)")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
     http_port: int = Field(PORTS["gateway_http"], description="gateway HTTP port (OpenAI API, /metrics)")

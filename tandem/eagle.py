@@ -145,6 +145,7 @@ def save_head(directory: Path, head: EagleHead, vocab_ids: torch.Tensor, dtype: 
     tensors["vocab_ids"] = vocab_ids.to(torch.int64).contiguous()
     tmp = directory / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp))
+    tmp.chmod(0o644)  # safetensors writes owner-only files; a shipped head must be readable by all
     tmp.replace(directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=2, sort_keys=True) + "\n")
 

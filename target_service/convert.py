@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tandem.v1 import common_pb2, target_pb2
 from target_service.api import DraftBlock, EngineInfo, GenerateResult, PrefillResult, SparseQ, Verdict
 from target_service.session import SessionConfig
-from tandem.v1 import common_pb2, target_pb2
 
 
 def session_config(params: common_pb2.SessionParams, return_hidden_states: bool) -> SessionConfig:
@@ -32,6 +32,7 @@ def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:
         draft_probs=tuple(SparseQ(tuple(q.token_ids), tuple(q.probs)) for q in request.draft_probs),
         block_id=request.block_id,
         tokenizer_fingerprint=request.tokenizer_fingerprint,
+        return_hidden_states=request.return_hidden_states,
     )
 
 

@@ -19,6 +19,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
+from tandem.config import TargetSettings
+from tandem.metrics import Metrics
+from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
+from tandem.v1 import common_pb2
 from target_service import kv_cache
 from target_service.api import (
     FINISHED,
@@ -35,10 +39,6 @@ from target_service.errors import InvalidArgument, TokenizerMismatch
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
 from target_service.validation import check_block, check_prefill
 from target_service.verifier import select_verifier
-from tandem.config import TargetSettings
-from tandem.metrics import Metrics
-from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
-from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class TargetEngine:
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
         )
-        logits, hidden = self._forward(session, prompt, last_only=True)  # [1, vocab], [prompt, hidden]
+        # [1, vocab], [prompt, hidden]
+        logits, hidden = self._forward(session, prompt, last_only=True, want_hidden=config.return_hidden_states)
         first = self._sample(session, logits)
         committed, reason = self._cut(session, [first])
         self.store.add(session)
@@ -138,7 +139,9 @@ class TargetEngine:
         # others changes no committed token's distribution (the last one is then a bonus token).
         k = min(len(block.draft_token_ids), session.remaining - 1)
         drafts = list(block.draft_token_ids[:k])
-        logits, hidden = self._forward(session, [session.tokens[-1], *drafts])  # [k+1, vocab], [k+1, hidden]
+        want_hidden = session.config.return_hidden_states or block.return_hidden_states
+        # [k+1, vocab], [k+1, hidden]: row i scores the token after [last committed, *drafts][i].
+        logits, hidden = self._forward(session, [session.tokens[-1], *drafts], want_hidden=want_hidden)
         q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
         uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
         num_accepted, next_token = self.verifier.verify_chain(
@@ -246,14 +249,14 @@ class TargetEngine:
 
     @torch.inference_mode()
     def _forward(
-        self, session: Session, token_ids: Sequence[int], last_only: bool = False
+        self, session: Session, token_ids: Sequence[int], last_only: bool = False, want_hidden: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the model over ``token_ids`` after the session's cache, appending to the cache.
 
-        Returns the logits ``[n, vocab]`` (``[1, vocab]`` with ``last_only``) and, when the session
-        asked for them, the final hidden states ``[n, hidden_size]``.
+        Returns the logits ``[n, vocab]`` (``[1, vocab]`` with ``last_only``) and, with
+        ``want_hidden``, the final hidden states ``[n, hidden_size]`` (after the final norm: what
+        the LM head multiplies, the features an EAGLE-style drafter is conditioned on).
         """
-        want_hidden = session.config.return_hidden_states
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         try:
             out = self.model(

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tandem.model_worker import ModelWorker
+from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service import convert
 from target_service.api import NOT_FINISHED
 from target_service.engine import TargetEngine
@@ -26,8 +28,6 @@ from target_service.errors import (
     TokenizerMismatch,
     TooManySessions,
 )
-from tandem.model_worker import ModelWorker
-from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 

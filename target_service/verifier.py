@@ -36,7 +36,7 @@ def select_verifier(device: str) -> Verifier:
         try:
             from kernels.sampling import sample_tokens
             from kernels.verify import verify_chain
-        except Exception as error:  # ImportError, or Triton failing to find its compiler/driver
+        except Exception as error:  # noqa: BLE001 (ImportError, or Triton failing to find its compiler/driver)
             log.warning("Triton kernels unavailable (%s); verifying with the PyTorch reference", error)
         else:
             return Verifier("triton", verify_chain, sample_tokens)

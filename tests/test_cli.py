@@ -17,7 +17,8 @@ def test_defaults_follow_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("TARGET_MODEL", "DRAFT_MODEL", "TANDEM_TARGET_MODEL", "TANDEM_DRAFT_MODEL", "TANDEM_HOST"):
         monkeypatch.delenv(var, raising=False)
     s = parse("serve")
-    assert (s.target_model, s.draft_model, s.num_speculative_tokens) == ("gemma-3-270m", "ngram", 5)
+    assert (s.target_model, s.draft_model, s.num_speculative_tokens) == ("gemma-3-270m", config.DEFAULT_DRAFT, 5)
+    assert config.DEFAULT_DRAFT in ("eagle", "ngram")
     assert (s.host, s.http_port, s.grpc_port, s.draft_port, s.target_port) == ("127.0.0.1", 8000, 50051, 50052, 50053)
     assert (s.draft_metrics_port, s.target_metrics_port) == (9052, 9053)
 
@@ -42,6 +43,8 @@ def test_children_talk_over_loopback_on_the_given_ports() -> None:
     target, draft, gateway = child_commands(s)
     assert target.argv[3] == "target" and "6001" in target.argv
     assert draft.argv[draft.argv.index("--target-address") + 1] == "127.0.0.1:6001"
+    # The draft knows the target's SPEC: the eagle draft reads the target's embedding and head.
+    assert draft.argv[draft.argv.index("--target-model") + 1] == s.target_model
     assert gateway.argv[gateway.argv.index("--draft-address") + 1] == "127.0.0.1:6002"
     assert gateway.health_address == "127.0.0.1:6003"
     assert connect_host("10.0.0.5") == "10.0.0.5"

@@ -32,9 +32,10 @@ import jsonschema
 import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
 from stack import free_port, metric_value
 from test_telemetry_otlp import OtlpReceiver
+
+from tandem.config import DEFAULT_DRAFT
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "compose.yaml"
@@ -74,6 +75,11 @@ def test_compose_layout(compose) -> None:
     assert published == {"gateway": ["8000:8000", "50051:50051"], "jaeger": ["16686:16686"],
                          "prometheus": ["9090:9090"], "grafana": ["3000:3000"]}
     assert set(compose["volumes"]) >= {"models"}
+    # The draft knows the target's SPEC (the eagle draft reads the target's embedding and LM head),
+    # and its default draft is tandem's.
+    draft_env = services["draft"]["environment"]
+    assert draft_env["TANDEM_TARGET_MODEL"] == services["target"]["environment"]["TANDEM_TARGET_MODEL"]
+    assert draft_env["TANDEM_DRAFT_MODEL"] == f"${{TANDEM_DRAFT_MODEL:-{DEFAULT_DRAFT}}}"
 
 
 # -- running the services as compose would -----------------------------------------------------
@@ -149,7 +155,7 @@ class LocalCompose:
         test = self.compose["services"][service]["healthcheck"]["test"]
         assert test[0] == "CMD"
         return subprocess.run([self.translate(service, part) for part in test[1:]], env=self.environment(service),
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30, check=False)
 
     def wait_healthy(self, service: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -214,7 +220,7 @@ def test_services_start_as_compose_runs_them_and_serve_a_request(local, otlp) ->
         result = local.healthcheck(service)
         assert result.returncode == 0 and "SERVING" in result.stdout, (service, result.stdout, result.stderr)
     dead = subprocess.run([sys.executable, "-m", "tandem.healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1"],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, check=False)
     assert dead.returncode == 1 and "UNAVAILABLE" in dead.stdout
     # The spans reach the OTLP endpoint compose points them at, under the compose service names.
     deadline = time.monotonic() + 20

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from draft_fakes import generate_greedy, load_tiny
 
 from draft_service.main import start_draft
 from draft_service.proposers.hf import HfProposer
@@ -19,7 +20,6 @@ from draft_service.proposers.ngram import NgramProposer
 from tandem.metrics import make_metrics
 from tandem.models import tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from draft_fakes import generate_greedy, load_tiny
 
 target_main = pytest.importorskip("target_service.main")
 target_engine = pytest.importorskip("target_service.engine")
@@ -110,7 +110,7 @@ async def test_greedy_speculation_past_the_sliding_window(gemma):
 async def test_seeded_sampling_round_trips_sparse_q(llama, llama_draft):
     """The real target accepts the draft's sparse q and rejection-samples with it; a seeded session
     is reproducible end to end."""
-    factory = lambda info: HfProposer(llama_draft, vocab_limit=info.vocab_size)  # noqa: E731
+    factory = lambda info: HfProposer(llama_draft, vocab_limit=info.vocab_size)
     first, responses = await speculate_session(llama, factory, 20, temperature=1.0, seed=42)
     again, _ = await speculate_session(llama, factory, 20, temperature=1.0, seed=42)
     assert len(first) == 20 or responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from draft_fakes import ReferenceTarget, generate_greedy, greedy_continuation, load_tiny
+
 from draft_service.types import FinishReason, VerdictStatus
 from tandem.models import LoadedModel
+
 
 @pytest.fixture(scope="module")
 def target(tiny_dir) -> LoadedModel:

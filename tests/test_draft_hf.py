@@ -6,11 +6,12 @@ import random
 
 import pytest
 import torch
-
-from draft_service.proposers.hf import HfProposer, draft_seed
-from draft_service.types import SamplingConfig
 from draft_fakes import greedy_continuation, load_tiny
 from tiny import make_tiny_model
+
+from draft_service.proposers.hf import HfProposer
+from draft_service.proposers.sampling import draft_seed
+from draft_service.types import SamplingConfig
 
 GREEDY = SamplingConfig()
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)

@@ -11,13 +11,13 @@ import dataclasses
 
 import pytest
 import torch
+from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, greedy_continuation, load_tiny
 
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.loop import MAX_STALE_RETRIES, SpeculationLoop
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.types import FinishReason, RoundResult, SamplingConfig, SessionSpec, Verdict, VerdictStatus
-from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, greedy_continuation, load_tiny
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
@@ -58,7 +58,10 @@ def start_session(target, prompt=PROMPT, **prefill) -> tuple[ReferenceTarget, tu
     return reference, (*prompt, first)
 
 
-def make_loop(proposer, verifier, committed, k=4, sampling=SamplingConfig(), **spec_fields):
+GREEDY = SamplingConfig()
+
+
+def make_loop(proposer, verifier, committed, k=4, sampling=GREEDY, **spec_fields):
     spec = SessionSpec(
         session_id="s",
         token_ids=committed,

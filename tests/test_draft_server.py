@@ -11,6 +11,7 @@ import math
 
 import grpc
 import pytest
+from draft_fakes import generate_greedy, load_tiny, start_fake_target
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -21,7 +22,6 @@ from draft_service.proposers.ngram import NgramProposer
 from tandem.metrics import make_metrics
 from tandem.models import tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from draft_fakes import generate_greedy, load_tiny, start_fake_target
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 

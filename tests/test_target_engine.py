@@ -9,13 +9,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from tandem.metrics import make_metrics
+from tandem.models import load_model
+from tandem.v1 import common_pb2
 from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument, SessionNotFound, TokenizerMismatch
 from target_service.session import SessionConfig
-from tandem.metrics import make_metrics
-from tandem.models import load_model
-from tandem.v1 import common_pb2
 
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 PROMPT_LEN = 20  # longer than the tiny Gemma's sliding window (8)
@@ -287,6 +287,33 @@ def test_hidden_states_of_positions_written_to_the_cache(target) -> None:
     fresh = out.hidden_states[-1][0]  # [PROMPT_LEN + n, hidden]
     torch.testing.assert_close(first.hidden_states, fresh[:PROMPT_LEN], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(verdict.hidden_states, fresh[PROMPT_LEN:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hidden_states_per_block_and_empty_blocks(target, temperature) -> None:
+    """A block may ask for hidden states when the session was not prefilled asking for them; an
+    empty block commits one token (a decode step) and returns the state that produced it."""
+    engine = TargetEngine(target)
+    prompt = _prompt(15)
+    config = greedy(temperature=temperature, seed=3)
+    engine.prefill("s", prompt, config)
+    plain = engine.verify(DraftBlock("s", PROMPT_LEN + 1, ()))
+    assert plain.status == OK and len(plain.committed_token_ids) == 1 and plain.hidden_states is None
+    asked = engine.verify(DraftBlock("s", PROMPT_LEN + 2, (), block_id=1, return_hidden_states=True))
+    assert asked.status == OK and asked.num_accepted == 0 and len(asked.committed_token_ids) == 1
+    assert asked.hidden_states.shape == (1, engine.info.hidden_size)
+    drafts = (5, 6)
+    block = engine.verify(DraftBlock("s", PROMPT_LEN + 3, drafts, block_id=2, return_hidden_states=True))
+    n = len(block.committed_token_ids)
+    assert block.hidden_states.shape == (n, engine.info.hidden_size)
+    tokens = engine.store.get("s").tokens
+    assert len(tokens) == PROMPT_LEN + 3 + n
+    with torch.inference_mode():  # row i: the position whose logits produced committed token i
+        fresh = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(asked.hidden_states, fresh[PROMPT_LEN + 1 : PROMPT_LEN + 2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(block.hidden_states, fresh[PROMPT_LEN + 2 : PROMPT_LEN + 2 + n], atol=1e-4, rtol=1e-4)
+    if temperature == 0.0:
+        assert list(tokens[PROMPT_LEN:]) == hf_greedy(target.model, prompt, len(tokens) - PROMPT_LEN)
 
 
 def test_sampling_is_reproducible_per_seed(llama) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.models import load_model
 from target_service.api import OK, DraftBlock
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
-from tandem.models import load_model
 
 NEW_TOKENS = 32
 TEXT = (

@@ -22,12 +22,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from target_service.engine import TargetEngine
-from target_service.main import start_target
 from tandem.grpc_util import insecure_channel
 from tandem.metrics import make_metrics
 from tandem.models import load_model
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine
+from target_service.main import start_target
 
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 31, 64, 11, 200, 150]
 
@@ -160,6 +160,35 @@ async def test_prefill_verify_generate_release_round_trip(stub, loaded) -> None:
     assert (await stub.Release(target_pb2.ReleaseRequest(session_id=sid))).released is False
 
 
+async def test_hidden_states_asked_per_block(stub, loaded) -> None:
+    """A session prefilled without hidden states returns them for the blocks that ask, including
+    an empty block (one committed token, one row); the others carry none."""
+    reference = hf_greedy(loaded.model, PROMPT, 24)
+    sid = new_id()
+    first = await stub.Prefill(prefill_request(sid))
+    assert not first.HasField("hidden_states")
+    n = first.committed_len
+    verdicts = await verify_all(stub, [
+        target_pb2.VerifyRequest(session_id=sid, base_len=n, block_id=1, return_hidden_states=True),
+        target_pb2.VerifyRequest(session_id=sid, base_len=n, assumed_token_ids=reference[1:2],
+                                 draft_token_ids=reference[2:4], block_id=2, return_hidden_states=True),
+        target_pb2.VerifyRequest(session_id=sid, base_len=n + 4, draft_token_ids=reference[5:6], block_id=3),
+    ])
+    assert [v.status for v in verdicts] == [target_pb2.VERDICT_STATUS_OK] * 3
+    assert list(verdicts[0].committed_token_ids) == reference[1:2]
+    assert list(verdicts[1].committed_token_ids) == reference[2:5]
+    assert not verdicts[2].HasField("hidden_states")
+    rows = [np.frombuffer(v.hidden_states.data, dtype="<f2").reshape(list(v.hidden_states.shape)) for v in verdicts[:2]]
+    assert [r.shape for r in rows] == [(1, 32), (3, 32)]
+    with torch.inference_mode():
+        sequence = PROMPT + reference[:5]
+        fresh = loaded.model(torch.tensor([sequence]), output_hidden_states=True).hidden_states[-1][0]
+    # Row i is the state at the position whose logits produced committed token i.
+    expected = fresh[len(PROMPT) : len(PROMPT) + 4].half().float().numpy()
+    np.testing.assert_allclose(np.concatenate(rows).astype("float32"), expected, atol=2e-2, rtol=1e-2)
+    await stub.Release(target_pb2.ReleaseRequest(session_id=sid))
+
+
 async def test_sampled_session_with_sparse_draft_probs(stub) -> None:
     sid = new_id()
     first = await stub.Prefill(prefill_request(sid, temperature=1.0, top_p=0.9, top_k=50, seed=3))
@@ -263,18 +292,18 @@ def _q(ids, probs):
 
 
 BAD_BLOCKS = [  # (name, VerifyRequest fields, code); session "s" has committed_len = len(PROMPT) + 1
-    ("unknown session", dict(session_id="nope", draft_token_ids=[1]), grpc.StatusCode.NOT_FOUND),
-    ("empty session id", dict(session_id="", draft_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("draft token >= vocab", dict(draft_token_ids=[300]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("negative base_len", dict(base_len=-1, draft_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("fewer draft_probs than tokens", dict(draft_token_ids=[1, 2], draft_probs=[_q([1], [1.0])]),
+    ("unknown session", {"session_id": "nope", "draft_token_ids": [1]}, grpc.StatusCode.NOT_FOUND),
+    ("empty session id", {"session_id": "", "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("draft token >= vocab", {"draft_token_ids": [300]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative base_len", {"base_len": -1, "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("fewer draft_probs than tokens", {"draft_token_ids": [1, 2], "draft_probs": [_q([1], [1.0])]},
      grpc.StatusCode.INVALID_ARGUMENT),
-    ("q id >= vocab", dict(draft_token_ids=[1], draft_probs=[_q([1, 301], [0.5, 0.5])]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("negative q", dict(draft_token_ids=[1], draft_probs=[_q([1, 2], [1.5, -0.5])]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("q ids and probs differ in length", dict(draft_token_ids=[1], draft_probs=[_q([1, 2], [1.0])]),
+    ("q id >= vocab", {"draft_token_ids": [1], "draft_probs": [_q([1, 301], [0.5, 0.5])]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative q", {"draft_token_ids": [1], "draft_probs": [_q([1, 2], [1.5, -0.5])]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("q ids and probs differ in length", {"draft_token_ids": [1], "draft_probs": [_q([1, 2], [1.0])]},
      grpc.StatusCode.INVALID_ARGUMENT),
-    ("q not summing to 1", dict(draft_token_ids=[1], draft_probs=[_q([1, 2], [0.2, 0.2])]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("other tokenizer", dict(draft_token_ids=[1], tokenizer_fingerprint="0" * 32), grpc.StatusCode.FAILED_PRECONDITION),
+    ("q not summing to 1", {"draft_token_ids": [1], "draft_probs": [_q([1, 2], [0.2, 0.2])]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("other tokenizer", {"draft_token_ids": [1], "tokenizer_fingerprint": "0" * 32}, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 
 

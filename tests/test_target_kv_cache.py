@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from target_service import kv_cache
 from tandem.models import load_model
+from target_service import kv_cache
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

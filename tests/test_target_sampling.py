@@ -23,10 +23,10 @@ from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kernels.reference import target_probs
+from tandem.models import LoadedModel
 from target_service.api import OK, DraftBlock, SparseQ
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
-from tandem.models import LoadedModel
 
 VOCAB = 5
 PROMPT = [1, 4, 2, 3]

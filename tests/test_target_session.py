@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.v1 import common_pb2
 from target_service.errors import SessionExists, SessionNotFound, TooManySessions
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
-from tandem.v1 import common_pb2
 
 
 class FakeClock:

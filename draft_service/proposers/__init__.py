@@ -2,29 +2,67 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import TargetInfo
 from tandem.config import DraftSettings
-from tandem.models import MODEL_FREE_DRAFTS
+from tandem.models import BUILTIN_MODELS, EAGLE_DRAFT, MODEL_FREE_DRAFTS, ModelSpecError, is_eagle_draft
+
+
+def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
+    """The head directory a draft SPEC names: ``eagle`` = the head shipped for the built-in target
+    ``target_model``; otherwise the SPEC is the head directory itself.
+
+    Raises ModelSpecError when ``eagle`` has no shipped head for that target.
+    """
+    if draft_spec != EAGLE_DRAFT:
+        return Path(draft_spec).expanduser()
+    from tandem.eagle import BUILTIN_HEADS_DIR, builtin_head_dir
+
+    head = builtin_head_dir(target_model) if target_model in BUILTIN_MODELS else None
+    if head is None:
+        shipped = sorted(p.name for p in BUILTIN_HEADS_DIR.glob("*") if (p / "eagle.json").is_file())
+        raise ModelSpecError(
+            f"there is no built-in eagle head for target {target_model!r} (heads ship for: "
+            f"{', '.join(shipped) or 'none'}); train one with `tandem distill --kind eagle --target-model "
+            f"{target_model} --output DIR` and pass DIR as --draft-model, or use --draft-model ngram"
+        )
+    return head
 
 
 def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
-    """The proposer ``settings.draft_model`` names: ``ngram``, or a model SPEC for ``hf``.
+    """The proposer ``settings.draft_model`` names: ``ngram``, ``eagle`` or an eagle head directory,
+    or a model SPEC for ``hf``.
 
-    Takes the target's Info because a model draft must not propose ids beyond the target's vocabulary.
+    Takes the target's Info because a model draft must not propose ids beyond the target's
+    vocabulary, and an eagle head must have been trained for this very target.
     Loading a model takes seconds: call it off the event loop.
     """
-    if settings.draft_model == "ngram":
+    spec = settings.draft_model
+    if spec == "ngram":
         from draft_service.proposers.ngram import NgramProposer
 
         return NgramProposer(settings.ngram_max, settings.ngram_min)
-    if settings.draft_model in MODEL_FREE_DRAFTS:
-        raise ValueError(f"draft {settings.draft_model!r} is not available in this draft service")
+    if is_eagle_draft(spec):
+        from draft_service.proposers.eagle import EagleProposer
+        from tandem.models import pick_device, resolve
+
+        head_dir = eagle_head_dir(spec, settings.target_model)
+        return EagleProposer.load(
+            head_dir,
+            resolve(settings.target_model).hf_dir,
+            target,
+            device=pick_device(settings.device),
+            draft_top_k=settings.draft_top_k,
+        )
+    if spec in MODEL_FREE_DRAFTS:
+        raise ValueError(f"draft {spec!r} is not available in this draft service")
     from draft_service.proposers.hf import HfProposer
     from tandem.models import load_model
 
-    loaded = load_model(settings.draft_model, device=settings.device, dtype=settings.dtype)
+    loaded = load_model(spec, device=settings.device, dtype=settings.dtype)
     return HfProposer(loaded, vocab_limit=target.vocab_size, draft_top_k=settings.draft_top_k)
 
 
-__all__ = ["Proposer", "ProposerSession", "make_proposer"]
+__all__ = ["Proposer", "ProposerSession", "eagle_head_dir", "make_proposer"]

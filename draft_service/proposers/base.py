@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from draft_service.types import Proposal, SamplingConfig
 
+if TYPE_CHECKING:
+    import torch
+
 # Small ids exist in every vocabulary; enough tokens to exercise a cache and an n-gram match.
-_WARMUP_TOKENS = (1, 2, 3, 4, 1, 2, 3)
+WARMUP_TOKENS = (1, 2, 3, 4, 1, 2, 3)
 
 
 class ProposerSession(ABC):
@@ -25,11 +29,14 @@ class ProposerSession(ABC):
         """Drafts up to ``max_tokens`` tokens continuing the committed sequence (may be fewer)."""
 
     @abstractmethod
-    def commit(self, base_len: int, token_ids: Sequence[int]) -> None:
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         """The committed sequence is now ``committed[:base_len] + token_ids``.
 
         Called after every verdict: rolls back whatever the last proposal assumed beyond what the
-        target accepted, then takes the newly committed tokens.
+        target accepted, then takes the newly committed tokens. ``hidden_states`` ([len(token_ids),
+        hidden] float32) comes with the verdict when the proposer ``wants_hidden_states``: row i is
+        the target's final hidden state at the position whose logits produced ``token_ids[i]``.
+        Proposers that do not want them ignore it.
         """
 
     @abstractmethod
@@ -49,6 +56,12 @@ class Proposer(ABC):
         return ""
 
     @property
+    def wants_hidden_states(self) -> bool:
+        """Whether verdicts must carry the target's hidden states (the loop then asks for them in
+        every block): feature-conditioned proposers draft from them."""
+        return False
+
+    @property
     def tokenizer_fingerprint(self) -> str:
         """``tandem.models.tokenizer_fingerprint`` of the draft's tokenizer; empty when the
         proposer works on token ids of any tokenizer."""
@@ -60,10 +73,10 @@ class Proposer(ABC):
 
     def warm_up(self) -> None:
         """Runs one short session so lazy initialisation is paid before health says SERVING."""
-        session = self.new_session(_WARMUP_TOKENS, SamplingConfig())
+        session = self.new_session(WARMUP_TOKENS, SamplingConfig())
         try:
             proposal = session.propose(4)
-            session.commit(len(_WARMUP_TOKENS), (*proposal.token_ids[:1], _WARMUP_TOKENS[0]))
+            session.commit(len(WARMUP_TOKENS), (*proposal.token_ids[:1], WARMUP_TOKENS[0]))
             session.propose(4)
         finally:
             session.close()

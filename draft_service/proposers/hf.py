@@ -9,69 +9,71 @@ The cache is a ``DynamicCache()`` built without the model config on purpose: wit
 sliding-window layers (Gemma 3) keep only the last window of keys, and cropping such a layer
 cannot bring back the keys a rollback needs. A config-less cache keeps every layer's full history;
 the model still applies its sliding-window mask, so outputs are unchanged.
+
+A distilled draft may have a reduced vocabulary (``tandem distill`` keeps the rows of the tokens
+the target emits most, which makes a small draft's embedding and head far smaller). Its directory
+then holds ``tandem_vocab_ids.safetensors`` (``vocab_ids`` [reduced] int64: reduced index i is
+target id ``vocab_ids[i]``). The session keeps target ids everywhere and translates only at the
+model's edges: committed ids are fed as reduced ids (ids outside the set as index 0, the draft
+has no row for them) and drafted ids and q's support are mapped back to target ids.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from draft_service.proposers.base import Proposer, ProposerSession
+from draft_service.proposers.sampling import TopKSampler
 from draft_service.types import Proposal, SamplingConfig, SparseDist
 from tandem.models import LoadedModel, tokenizer_fingerprint
 
-
-def draft_seed(seed: int) -> int:
-    """The draft's generator seed for a session seed.
-
-    Derived rather than reused: the target seeds its own generator from the same session seed, and
-    if the draft's samples and the target's acceptance uniforms came from identical streams they
-    would be correlated, which breaks the exactness of rejection sampling.
-    """
-    digest = hashlib.sha256(f"tandem-draft:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+VOCAB_IDS_FILE = "tandem_vocab_ids.safetensors"
 
 
-class TopKSampler:
-    """Samples a draft token from the renormalised top-k of the tempered logits and returns q.
+class VocabMap:
+    """Reduced draft vocabulary <-> target ids.
 
-    q is exactly sparse (zero outside the kept ids), so the target's rejection sampling is exact
-    with it and it stays small on the wire. The session's own top_k / top_p narrow q further when
-    set: tokens the target can never produce would only be rejected.
+    ``vocab_ids`` [reduced] int64: reduced index -> target id. Target ids outside the set map to
+    reduced index 0 (fed to the draft only; the draft never proposes them).
     """
 
-    def __init__(self, sampling: SamplingConfig, draft_top_k: int) -> None:
-        if sampling.temperature <= 0:
-            raise ValueError("TopKSampler needs a positive temperature; greedy drafts use argmax")
-        self.temperature = sampling.temperature
-        self.top_k = min(draft_top_k, sampling.top_k) if sampling.top_k > 0 else draft_top_k
-        self.top_p = sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0
-        self.generator = torch.Generator(device="cpu")
-        if sampling.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(draft_seed(sampling.seed))
+    def __init__(self, vocab_ids: torch.Tensor) -> None:
+        if vocab_ids.dim() != 1 or vocab_ids.numel() == 0:
+            raise ValueError(f"vocab_ids must be a non-empty 1-d tensor, got shape {tuple(vocab_ids.shape)}")
+        self.vocab_ids = vocab_ids.to(torch.long).cpu()  # [reduced]
+        if int(self.vocab_ids.min()) < 0 or len(set(self.vocab_ids.tolist())) != self.vocab_ids.numel():
+            raise ValueError("vocab_ids must be distinct non-negative target ids")
+        self._to_reduced = torch.zeros(int(self.vocab_ids.max()) + 1, dtype=torch.long)  # [max id + 1]
+        self._to_reduced[self.vocab_ids] = torch.arange(self.vocab_ids.numel())
 
-    def sample(self, logits: torch.Tensor) -> tuple[int, SparseDist]:
-        """logits: [vocab] (already limited to ids the target accepts)."""
-        k = min(self.top_k, logits.shape[-1])
-        values, ids = torch.topk(logits.float() / self.temperature, k)  # [k], [k], descending
-        probs = torch.softmax(values.cpu(), dim=-1)  # [k]: the top-k renormalised
-        ids = ids.cpu()
-        if self.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            keep = (torch.cumsum(probs, dim=-1) - probs) < self.top_p  # [k]
-            probs, ids = probs[keep], ids[keep]
-        nonzero = probs > 0  # masked (-inf) logits that topk still returned
-        probs, ids = probs[nonzero], ids[nonzero]
-        probs = probs / probs.sum()
-        choice = int(torch.multinomial(probs, 1, generator=self.generator))
-        dist = SparseDist(tuple(int(i) for i in ids), tuple(float(p) for p in probs))
-        return int(ids[choice]), dist
+    @classmethod
+    def of_checkpoint(cls, hf_dir: Path) -> VocabMap | None:
+        """The map a draft checkpoint ships (``tandem_vocab_ids.safetensors``), or None."""
+        path = Path(hf_dir) / VOCAB_IDS_FILE
+        if not path.is_file():
+            return None
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        if "vocab_ids" not in tensors:
+            raise ValueError(f"{path} has no tensor 'vocab_ids'")
+        return cls(tensors["vocab_ids"])
+
+    @property
+    def size(self) -> int:
+        return self.vocab_ids.numel()
+
+    def to_reduced(self, target_ids: Sequence[int]) -> list[int]:
+        table = self._to_reduced
+        return [int(table[t]) if 0 <= t < table.numel() else 0 for t in target_ids]
+
+    def to_target(self, reduced_id: int) -> int:
+        return int(self.vocab_ids[reduced_id])
 
 
 class HfSession(ProposerSession):
@@ -113,7 +115,7 @@ class HfSession(ProposerSession):
                     logits = self._feed([token])
         return Proposal(tuple(tokens), tuple(dists))
 
-    def commit(self, base_len: int, token_ids: Sequence[int]) -> None:
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= len(self._committed):
             raise ValueError(f"base_len {base_len} outside the committed sequence of {len(self._committed)}")
         if base_len + len(token_ids) == 0:
@@ -141,22 +143,28 @@ class HfSession(ProposerSession):
         """Runs the draft over new tokens; returns the next-token logits, [vocab_limit]."""
         if self._cache is None:
             raise RuntimeError("draft session used after close")
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._proposer.device)  # [1, n]
+        vocab = self._proposer.vocab_map
+        fed = vocab.to_reduced(token_ids) if vocab is not None else list(token_ids)
+        input_ids = torch.tensor([fed], dtype=torch.long, device=self._proposer.device)  # [1, n]
         out = self._proposer.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1)
         self._cached.extend(token_ids)
         return out.logits[0, -1, : self._proposer.vocab_limit]  # [vocab_limit]
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
+        """A draft token (target id) from the logits over the draft's (maybe reduced) vocabulary."""
+        vocab = self._proposer.vocab_map
         if self._sampler is None:
-            return int(torch.argmax(logits)), None
-        return self._sampler.sample(logits)
+            token = int(torch.argmax(logits))
+            return (vocab.to_target(token) if vocab is not None else token), None
+        return self._sampler.sample(logits, vocab.vocab_ids if vocab is not None else None)
 
 
 class HfProposer(Proposer):
     """A transformers causal LM as the drafter.
 
     ``vocab_limit`` is the target's vocabulary size: a draft with padded embeddings has logits for
-    ids the target does not have, and those must never be proposed.
+    ids the target does not have, and those must never be proposed. A reduced-vocabulary draft
+    (``VocabMap``) proposes only its mapped ids, which must all be below ``vocab_limit``.
     """
 
     kind = "hf"
@@ -170,7 +178,17 @@ class HfProposer(Proposer):
         self._name = loaded.name
         self._fingerprint = tokenizer_fingerprint(loaded.tokenizer)
         draft_vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        self.vocab_limit = min(draft_vocab, vocab_limit) if vocab_limit else draft_vocab
+        self.vocab_map = VocabMap.of_checkpoint(loaded.hf_dir)
+        if self.vocab_map is None:
+            self.vocab_limit = min(draft_vocab, vocab_limit) if vocab_limit else draft_vocab
+        else:  # logits are over reduced indices; every mapped id must exist in the target
+            biggest = int(self.vocab_map.vocab_ids.max())
+            if vocab_limit and biggest >= vocab_limit:
+                raise ValueError(
+                    f"draft {loaded.name!r} maps its vocabulary to target id {biggest}, beyond the target's "
+                    f"vocabulary of {vocab_limit}"
+                )
+            self.vocab_limit = min(draft_vocab, self.vocab_map.size)
         self._max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
 
     @property

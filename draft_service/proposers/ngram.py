@@ -8,12 +8,16 @@ so blocks carry no q (the target treats q as one-hot), which keeps sampling exac
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import Proposal, SamplingConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int | None:
@@ -54,7 +58,7 @@ class NgramSession(ProposerSession):
         continuation = np.resize(self._tokens[start:], max_tokens)  # [max_tokens]
         return Proposal(tuple(int(t) for t in continuation))
 
-    def commit(self, base_len: int, token_ids: Sequence[int]) -> None:
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= self._tokens.shape[0]:
             raise ValueError(f"base_len {base_len} outside the committed sequence of {self._tokens.shape[0]}")
         self._tokens = np.concatenate([self._tokens[:base_len], np.asarray(token_ids, dtype=np.int64)])

@@ -1,0 +1,231 @@
+"""The feature-conditioned draft (``eagle``): a small head on the target's own hidden states.
+
+The head (``tandem.eagle``) predicts the target's next final hidden state from the current one and
+the next token's embedding, and scores it with the target's own LM-head rows. So a session needs
+one thing the token ids do not give: the target's feature at the position before the last
+committed token. Every verdict brings it (the loop asks for hidden states in every block because
+``wants_hidden_states``): row i of a verdict's hidden states is the feature whose logits produced
+committed token i, so the last row is exactly the feature to draft from next.
+
+A fresh session has only token ids (the Speculate request; the prefill's hidden states went to
+the gateway), so its first proposal is empty: the target then commits one token, like a decode
+step, and returns the feature that produced it. From then on each proposal runs ``step`` K times,
+feeding its own predicted feature and drafted token forward.
+
+Greedy sessions draft the argmax of the reduced-vocabulary logits, mapped to target ids. Sampling
+sessions draw from the renormalised top-k of the tempered reduced logits (``TopKSampler``, with
+its seeding rules), and the block carries that exact sparse q in target ids, so the target's
+rejection sampling stays exact: tokens outside the reduced vocabulary simply have q = 0.
+
+Sessions live on the draft's single model thread (``tandem.model_worker``); no locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from draft_service.errors import IncompatibleDraftError
+from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
+from draft_service.proposers.sampling import TopKSampler
+from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
+from tandem.eagle import EagleConfig, EagleDrafter, TargetTensors, load_head, load_target_tensors
+
+log = logging.getLogger(__name__)
+
+
+def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetInfo) -> None:
+    """Refuses a head trained for another target: its features and token ids would mean nothing.
+
+    Compares what the head recorded at training time with the target's Info: the tokenizer
+    fingerprint, the hidden size (0 in Info = not reported, not checked) and the vocabulary size.
+    """
+    problems = []
+    if config.target_fingerprint != target.tokenizer_fingerprint:
+        problems.append(
+            f"tokenizer fingerprint {config.target_fingerprint} (head) vs {target.tokenizer_fingerprint or 'none'} (target)"
+        )
+    if target.hidden_size and config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} (head) vs {target.hidden_size} (target)")
+    if config.target_vocab_size != target.vocab_size:
+        problems.append(f"vocabulary size {config.target_vocab_size} (head) vs {target.vocab_size} (target)")
+    if problems:
+        raise IncompatibleDraftError(
+            f"eagle head {head_name!r} was trained for target {config.target_model!r}, which does not match the "
+            f"target model {target.model_name!r}: {'; '.join(problems)}. Train a head for this target with "
+            f"`tandem distill --kind eagle`, or use the ngram draft"
+        )
+
+
+class EagleSession(ProposerSession):
+    """One session: its committed tokens and the target feature that belongs to their end.
+
+    ``_feature`` ([hidden] float32) is the target's final hidden state at position
+    ``_feature_len - 2`` (the one whose logits produced token ``_feature_len - 1``); it is only
+    used while ``_feature_len`` equals the committed length, i.e. while it is current.
+    """
+
+    def __init__(self, proposer: EagleProposer, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
+        if not token_ids:
+            raise ValueError("a draft session needs at least one committed token")
+        self._proposer = proposer
+        self._tokens: list[int] = list(token_ids)
+        self._feature: torch.Tensor | None = None
+        self._feature_len = -1
+        self._sampler = None if sampling.greedy else TopKSampler(sampling, proposer.draft_top_k)
+        self._closed = False
+
+    @property
+    def has_feature(self) -> bool:
+        return self._feature is not None and self._feature_len == len(self._tokens)
+
+    @property
+    def feature(self) -> torch.Tensor | None:
+        """The current feature [hidden] (None until a verdict brought one)."""
+        return self._feature if self.has_feature else None
+
+    def propose(self, max_tokens: int) -> Proposal:
+        if self._closed:
+            raise RuntimeError("draft session used after close")
+        if max_tokens <= 0 or not self.has_feature:
+            return Proposal()  # the block still commits one token and brings the feature
+        drafter = self._proposer.drafter
+        device = self._proposer.device
+        feature = self._feature.to(device)[None]  # [1, hidden]
+        token = self._tokens[-1]
+        tokens: list[int] = []
+        dists: list[SparseDist] = []
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                token_ids = torch.tensor([token], dtype=torch.long, device=device)  # [1]
+                feature, logits = drafter.step(feature, token_ids)  # [1, hidden], [1, reduced]
+                token, dist = self._pick(logits[0])
+                tokens.append(token)
+                if dist is not None:
+                    dists.append(dist)
+        return Proposal(tuple(tokens), tuple(dists))
+
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
+        if not 0 <= base_len <= len(self._tokens):
+            raise ValueError(f"base_len {base_len} outside the committed sequence of {len(self._tokens)}")
+        if base_len + len(token_ids) == 0:
+            raise ValueError("the committed sequence cannot become empty")
+        unchanged = base_len == len(self._tokens) and not token_ids  # a refused block: nothing moved
+        del self._tokens[base_len:]
+        self._tokens.extend(token_ids)
+        if unchanged:
+            return
+        if token_ids and hidden_states is not None and hidden_states.dim() == 2 and hidden_states.shape[0] == len(
+            token_ids
+        ):
+            # [hidden]: the state whose logits produced the last committed token.
+            self._feature = hidden_states[-1].detach().float().clone()
+            self._feature_len = len(self._tokens)
+        else:
+            if token_ids:
+                log.warning(
+                    "verdict of %d token(s) came without matching hidden states (%s); the next block is empty",
+                    len(token_ids),
+                    None if hidden_states is None else tuple(hidden_states.shape),
+                )
+            self._feature, self._feature_len = None, -1
+
+    def close(self) -> None:
+        self._closed = True
+        self._feature = None
+        self._tokens = []
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
+        """A draft token (target id) from the logits over the reduced vocabulary [reduced]."""
+        vocab_ids = self._proposer.drafter.vocab_ids
+        if self._sampler is None:
+            return int(vocab_ids[int(torch.argmax(logits))]), None
+        return self._sampler.sample(logits, vocab_ids)
+
+
+class EagleProposer(Proposer):
+    """A loaded head plus the target tensors it borrows, shared by every session."""
+
+    kind = "eagle"
+
+    def __init__(self, drafter: EagleDrafter, *, name: str, device: str = "cpu", draft_top_k: int = 32) -> None:
+        if draft_top_k < 1:
+            raise ValueError(f"draft_top_k must be >= 1, got {draft_top_k}")
+        self.drafter = drafter
+        self.device = torch.device(device)
+        self.draft_top_k = draft_top_k
+        self._name = name
+
+    @classmethod
+    def load(
+        cls,
+        head_dir: Path,
+        target_hf_dir: Path,
+        target: TargetInfo,
+        *,
+        device: str = "cpu",
+        embed_dtype: torch.dtype | None = torch.bfloat16,
+        draft_top_k: int = 32,
+    ) -> EagleProposer:
+        """Loads a head directory and the target's embedding and reduced LM-head rows.
+
+        Checks the head against the target's Info first, before reading the large embedding
+        ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
+        the head RMS-normalises the rows it looks up, so the rounding is immaterial).
+        """
+        started = time.perf_counter()
+        head_dir = Path(head_dir)
+        head, vocab_ids = load_head(head_dir)
+        config = head.config
+        check_head_fits_target(config, head_dir.name, target)
+        if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= target.vocab_size:
+            raise IncompatibleDraftError(
+                f"eagle head {head_dir.name!r} maps its reduced vocabulary to ids outside the target's "
+                f"vocabulary of {target.vocab_size}"
+            )
+        tensors = load_target_tensors(target_hf_dir, config, vocab_ids)
+        embed = tensors.embed if embed_dtype is None else tensors.embed.to(embed_dtype)
+        drafter = EagleDrafter(
+            head.to(device),
+            vocab_ids.to(device),
+            TargetTensors(embed=embed.to(device), head_rows=tensors.head_rows.to(device)),
+        )
+        log.info(
+            "eagle head %s loaded in %.1fs (reduced vocabulary %d of %d, target embedding %s on %s)",
+            head_dir, time.perf_counter() - started, vocab_ids.numel(), config.target_vocab_size,
+            str(embed.dtype).removeprefix("torch."), device,
+        )
+        return cls(drafter, name=f"eagle:{head_dir.name}", device=device, draft_top_k=draft_top_k)
+
+    @property
+    def model_name(self) -> str:
+        return self._name
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """The target's fingerprint the head was trained with (checked against the target at start)."""
+        return self.drafter.config.target_fingerprint
+
+    @property
+    def wants_hidden_states(self) -> bool:
+        return True
+
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> EagleSession:
+        return EagleSession(self, token_ids, sampling)
+
+    def warm_up(self) -> None:
+        """Drafts greedily and by sampling from a made-up feature: a fresh session's first
+        proposal is empty, so the base warm-up would never run the head."""
+        hidden = torch.zeros(1, self.drafter.config.hidden_size)  # [1, hidden]
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=0)):
+            session = self.new_session(WARMUP_TOKENS, sampling)
+            try:
+                session.propose(4)
+                session.commit(len(WARMUP_TOKENS), (WARMUP_TOKENS[0],), hidden)
+                session.propose(4)
+            finally:
+                session.close()

@@ -1,0 +1,233 @@
+"""``tandem bench`` flags and the run: stack phases (interleaved spec/AR), then the peer, then the report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from tandem.bench.client import AUTOREGRESSIVE, MODES, SPECULATIVE, RequestOptions, RequestResult, run_one, served_model
+from tandem.bench.load import interleaved_jobs, run_jobs
+from tandem.bench.prompts import Prompt, PromptFileError, load_prompts
+from tandem.bench.report import PeerReport, build_report, format_report, summarize_peer, write_json
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where (a running gateway, or a stack started for the run)")
+    where.add_argument("--url", default=None,
+                       help=f"gateway base URL; default: {DEFAULT_URL} if a gateway answers there, "
+                            "else a stack started on free ports for the run")
+    where.add_argument("--start-stack", action="store_true",
+                       help="start a stack of its own even when a gateway answers on the default port")
+    where.add_argument("--model", default=None, help="model id (default: the gateway's first model)")
+    where.add_argument("--target-model", default="gemma-3-270m",
+                       help="target SPEC of the started stack and of the peer (default gemma-3-270m)")
+    where.add_argument("--draft-model", default="ngram", help="draft SPEC of the started stack (default ngram)")
+    where.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                       help="K: the started stack's default and the peer's; with --url also sent per request "
+                            "(default: the gateway's own, 5 for a started stack)")
+    where.add_argument("--device", default="auto", help="device of the started stack and of the peer")
+    where.add_argument("--dtype", default="auto", help="dtype of the started stack and of the peer")
+    load = parser.add_argument_group("load")
+    load.add_argument("--prompts", default=None,
+                      help="JSONL with {domain, prompt} rows (default: the built-in set, bench/prompts.jsonl)")
+    load.add_argument("--limit", "--num-prompts", dest="limit", type=int, default=0,
+                      help="use only the first N prompts (0 = all)")
+    load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, same in every mode")
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="requests in flight at once (default 1; with --request-rate: no cap)")
+    load.add_argument("--request-rate", type=float, default=0.0,
+                      help="open loop: Poisson arrivals at R requests/s (default 0: closed loop)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    load.add_argument("--warmup", type=int, default=1, help="requests per mode before measuring")
+    load.add_argument("--stream-smoothing", choices=("off", "auto"), default=None,
+                      help="the stream_smoothing field of each request (default: the gateway's setting)")
+    peer = parser.add_argument_group("peer (transformers assisted generation, in-process, after the stack phases)")
+    peer.add_argument("--peer", choices=("auto", "assisted", "none"), default="auto",
+                      help="auto (default): run it when --target-model is the served model and loads locally")
+    peer.add_argument("--peer-assistant", default=None, metavar="SPEC",
+                      help="HF draft with the target's tokenizer for generate(assistant_model=...); "
+                           "default: prompt lookup (prompt_lookup_num_tokens=K)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here")
+    out.add_argument("--plot", default=None, metavar="FILE.png", help="draw tokens/s by domain and the ITL CDF")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    problems = []
+    if args.max_tokens < 1:
+        problems.append(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.concurrency is not None and args.concurrency < 1:
+        problems.append(f"--concurrency must be >= 1 (got {args.concurrency})")
+    if args.request_rate < 0:
+        problems.append(f"--request-rate must be >= 0 (got {args.request_rate})")
+    if args.limit < 0:
+        problems.append(f"--num-prompts/--limit must be >= 0 (got {args.limit})")
+    if args.warmup < 0:
+        problems.append(f"--warmup must be >= 0 (got {args.warmup})")
+    if args.num_speculative_tokens is not None and not 1 <= args.num_speculative_tokens <= 64:
+        problems.append(f"--num-speculative-tokens must be in 1..64 (got {args.num_speculative_tokens})")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        problems.append(f"--plot writes a PNG: give a .png path (got {args.plot})")
+    if problems:
+        raise SystemExit("tandem bench: " + "; ".join(problems))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+
+
+def _gateway_answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run_stack_phases(
+    url: str, prompts: Sequence[Prompt], options: RequestOptions, args: argparse.Namespace, progress: bool
+) -> tuple[list[RequestResult], float]:
+    """Warm-up, then every prompt in both modes (interleaved); returns the results and the wall time."""
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        warm = RequestOptions(options.model, min(8, options.max_tokens), options.temperature,
+                              options.stream_smoothing, options.num_speculative_tokens)
+        for mode in MODES:
+            for prompt in prompts[: args.warmup]:
+                run_one(client, url, prompt, mode, warm)
+        jobs = interleaved_jobs(prompts)
+        bar = _progress(len(jobs), "bench spec/AR", progress)
+        started = time.perf_counter()
+        try:
+            results = run_jobs(
+                jobs, lambda job: run_one(client, url, job.prompt, job.mode, options, job.prompt_index),
+                concurrency=args.concurrency, request_rate=args.request_rate, seed=args.seed,
+                on_done=lambda _result: bar.update(1),
+            )
+        finally:
+            bar.close()
+        return results, time.perf_counter() - started
+
+
+def _peer_plan(args: argparse.Namespace, model_id: str, own_stack: bool) -> str | None:
+    """Why the peer is skipped, or None to run it."""
+    from tandem import models
+
+    if args.peer == "none":
+        return "--peer none"
+    if args.temperature > 0:
+        return "the peer is greedy only (--temperature > 0)"
+    if args.peer == "auto":
+        if not own_stack and model_id != models.default_served_name(args.target_model):
+            return (f"the gateway serves {model_id!r}, not --target-model {args.target_model!r} "
+                    "(pass --target-model, or --peer assisted to force it)")
+        try:
+            models.resolve(args.target_model)
+        except (models.ModelSpecError, OSError, ImportError) as exc:
+            return f"the target is not available locally ({exc})"
+    return None
+
+
+def run_peer_phase(
+    args: argparse.Namespace, prompts: Sequence[Prompt], k: int, stack_results: Sequence[RequestResult], progress: bool
+) -> tuple[PeerReport, list[RequestResult]]:
+    from tandem.bench.peer import run_peer
+
+    bar = _progress(len(prompts), "bench peer", progress)
+    try:
+        run = run_peer(args.target_model, args.peer_assistant, prompts, args.max_tokens, k, args.device, args.dtype,
+                       warmup=args.warmup, on_done=lambda _result: bar.update(1))
+    finally:
+        bar.close()
+    report = summarize_peer(run.results, stack_results, run.assistant, args.target_model, k, run.device, run.dtype)
+    return report, run.results
+
+
+def main(args: argparse.Namespace) -> int:
+    _check(args)
+    try:
+        prompts = load_prompts(args.prompts, args.limit)
+    except PromptFileError as exc:
+        raise SystemExit(f"tandem bench: {exc}") from exc
+    progress = not args.no_progress and sys.stderr.isatty()
+    from tandem.config import DEFAULT_K
+
+    k = args.num_speculative_tokens or DEFAULT_K
+    own = None
+    url = args.url
+    if url is None and not args.start_stack and _gateway_answers(DEFAULT_URL):
+        url = DEFAULT_URL
+        print(f"tandem bench: using the gateway at {url} (pass --start-stack for a stack of its own)", file=sys.stderr)
+    if url is None:
+        from tandem.bench.stack import OwnStack, StackError
+
+        own = OwnStack(args.target_model, args.draft_model, k, args.device, args.dtype)
+        print(f"tandem bench: starting tandem serve ({args.target_model} + {args.draft_model}, K={k}) "
+              "on free ports ...", file=sys.stderr)
+        try:
+            own.start()
+        except StackError as exc:
+            raise SystemExit(f"tandem bench: {exc}") from exc
+        url = own.url
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            model_id = args.model or served_model(client, url)
+        options = RequestOptions(model_id, args.max_tokens, args.temperature, args.stream_smoothing,
+                                 args.num_speculative_tokens if own is None else None)
+        results, duration = run_stack_phases(url, prompts, options, args, progress)
+    except (httpx.HTTPError, RuntimeError) as exc:
+        raise SystemExit(f"tandem bench: the gateway at {url} failed: {exc}") from exc
+    finally:
+        if own is not None:
+            own.stop()
+    peer_report, peer_results, status = None, [], 0
+    skip = _peer_plan(args, model_id, own is not None)
+    if skip is None:
+        from tandem.bench.peer import PeerError
+
+        try:
+            peer_report, peer_results = run_peer_phase(args, prompts, k, results, progress)
+        except PeerError as exc:
+            print(f"tandem bench: {exc}", file=sys.stderr)
+            status = 1 if args.peer == "assisted" else 0
+    elif args.peer != "none":
+        print(f"tandem bench: peer skipped: {skip}", file=sys.stderr)
+    config = {
+        "prompts": args.prompts or "built-in (bench/prompts.jsonl)",
+        "num_prompts": len(prompts),
+        "concurrency": args.concurrency or (None if args.request_rate > 0 else 1),
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "temperature": args.temperature,
+        "stream_smoothing": args.stream_smoothing,
+        "num_speculative_tokens": k if own is not None else args.num_speculative_tokens,
+        "stack": "started" if own is not None else "external",
+        "target_model": args.target_model,
+        "draft_model": args.draft_model if own is not None else None,
+        "peer_skipped": skip,
+    }
+    report = build_report(url, model_id, args.max_tokens, results, peer_report, duration, config)
+    print(format_report(report))
+    if args.json_path:
+        write_json(report, args.json_path)
+    if args.plot:
+        from tandem.bench.plot import write_plot
+
+        write_plot(report, [*results, *peer_results], args.plot)
+    failed = sum(1 for r in results if r.error)
+    if failed == len(results):
+        print("tandem bench: every request failed", file=sys.stderr)
+        return 1
+    return status
+
+
+__all__ = ["AUTOREGRESSIVE", "SPECULATIVE", "add_arguments", "main"]
