@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kernels.hf_attention import install_on_cuda
 from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
 from tandem.config import TargetSettings
 from tandem.metrics import Metrics
@@ -61,10 +62,13 @@ class TargetEngine:
     ) -> None:
         self.model = loaded.model
         self.device = loaded.device
+        # On CUDA the model's attention becomes the Triton tree-attention kernel (a chain by default).
+        self.attention = install_on_cuda(self.model, loaded.device)
         self.metrics = metrics
         text_config = loaded.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.verifier = select_verifier(loaded.device)
+        log.info("target attention: %s; verifier: %s", self.attention, self.verifier.backend)
         self.info = EngineInfo(
             model_name=loaded.name,
             vocab_size=self.vocab_size,
