@@ -18,7 +18,6 @@ import torch
 from stack import running_stack
 from tiny import make_tiny_model
 
-from tandem.eagle import builtin_head_dir
 from tandem.models import load_model, resolve
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -86,7 +85,6 @@ def test_model_draft_with_the_gemma_tokenizer_is_lossless(gemma, tmp_path) -> No
             assert usage.speculative_decoding.rounds > 0
 
 
-@pytest.mark.skipif(builtin_head_dir("gemma-3-270m") is None, reason="no eagle head shipped for gemma-3-270m")
 def test_shipped_eagle_head_is_lossless(gemma) -> None:
     """The eagle draft for the default target: it drafts from the target's hidden states, which the
     draft asks for per block (the gateway prefills without them)."""
