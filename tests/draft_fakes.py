@@ -203,7 +203,9 @@ class FakeTargetService(target_pb2_grpc.TargetServiceServicer):
                     committed_len=verdict.committed_len,
                     finish_reason=_FINISH_TO_WIRE[verdict.finish_reason],
                 )
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # CancelledError when the cancel lands inside the handler; GeneratorExit when it lands
+            # while the handler is suspended at a yield (grpc then closes the generator).
             self.streams_cancelled += 1
             raise
 

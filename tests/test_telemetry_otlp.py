@@ -174,8 +174,12 @@ def test_http_request_is_one_trace_across_gateway_draft_and_target(traced_stack,
     # gateway -> target: Prefill and Release
     for method in ("Prefill", "Release"):
         client = one(spans, "tandem-gateway", f"tandem.v1.TargetService/{method}", CLIENT)
-        server = one(spans, "tandem-target", f"tandem.v1.TargetService/{method}", SERVER)
-        assert client.parent_id == root.span_id and server.parent_id == client.span_id
+        # The draft may release the session too (idempotent) when its Speculate call ends by
+        # cancellation, under its own span; the gateway's call has exactly one server span.
+        server = one(
+            [s for s in spans if s.parent_id == client.span_id], "tandem-target", f"tandem.v1.TargetService/{method}", SERVER
+        )
+        assert client.parent_id == root.span_id
         assert server.attributes["rpc.system"] == "grpc" and server.attributes["rpc.grpc.status_code"] == 0
 
     # gateway -> draft -> target: Speculate, then the session's Verify stream

@@ -13,6 +13,7 @@ from tandem.bench.client import AUTOREGRESSIVE, MODES, SPECULATIVE, RequestOptio
 from tandem.bench.load import interleaved_jobs, run_jobs
 from tandem.bench.prompts import Prompt, PromptFileError, load_prompts
 from tandem.bench.report import PeerReport, build_report, format_report, summarize_peer, write_json
+from tandem.config import DEFAULT_DRAFT
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -27,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--model", default=None, help="model id (default: the gateway's first model)")
     where.add_argument("--target-model", default="gemma-3-270m",
                        help="target SPEC of the started stack and of the peer (default gemma-3-270m)")
-    where.add_argument("--draft-model", default="ngram", help="draft SPEC of the started stack (default ngram)")
+    where.add_argument(
+        "--draft-model", default=DEFAULT_DRAFT, help=f"draft SPEC of the started stack (default {DEFAULT_DRAFT})"
+    )
     where.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                        help="K: the started stack's default and the peer's; with --url also sent per request "
                             "(default: the gateway's own, 5 for a started stack)")
