@@ -14,7 +14,6 @@ as if it had verified blocks with the target.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import pytest
 
 from gateway.errors import UpstreamUnavailable
 from gateway.main import RunningGateway, start_gateway
+from tandem.bench.stack import free_port
 from tandem.config import GatewaySettings
 from tandem.grpc_util import Health, bind, make_server
 from tandem.models import load_tokenizer, tokenizer_fingerprint
@@ -214,13 +214,6 @@ async def serve_fake(add_servicer, servicer, service_name: str, port: int = 0) -
     await server.start()
     await health.serving()
     return server, port
-
-
-def free_port() -> int:
-    """A port nothing listens on (to play an unreachable upstream)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---- in memory (no sockets), for driving gateway.generation directly ------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tandem.bench.stack import free_port
 from tandem.config import ServeSettings
 from tandem.supervisor import Child, child_commands, is_serving
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -8,7 +8,6 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tandem.bench.stack import free_port as _free_port
 from tandem.grpc_util import insecure_channel
 from tandem.metrics import make_metrics
 from tandem.models import load_model
@@ -343,12 +343,6 @@ async def test_duplicate_session_id(stub) -> None:
 
 
 # --------------------------------------------------------------------------- the process entry point
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_run_serves_until_sigterm(tiny_dir) -> None:
