@@ -177,6 +177,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tandem.cpu_linear import install_cpu_linears
+
     resolved = resolve(spec)
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)
@@ -186,6 +188,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
     )
     model.to(device)
     model.eval()
+    install_cpu_linears(model, device)
     return LoadedModel(name or resolved.name, model, tokenizer, resolved.hf_dir, dtype, device)
 
 

@@ -17,8 +17,9 @@ def test_defaults_follow_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("TARGET_MODEL", "DRAFT_MODEL", "TANDEM_TARGET_MODEL", "TANDEM_DRAFT_MODEL", "TANDEM_HOST"):
         monkeypatch.delenv(var, raising=False)
     s = parse("serve")
-    assert (s.target_model, s.draft_model, s.num_speculative_tokens) == ("gemma-3-270m", config.DEFAULT_DRAFT, 5)
+    assert (s.target_model, s.draft_model, s.num_speculative_tokens) == ("gemma-3-270m", config.DEFAULT_DRAFT, config.DEFAULT_K)
     assert config.DEFAULT_DRAFT in ("eagle", "ngram")
+    assert 1 <= config.DEFAULT_K <= 8
     assert (s.host, s.http_port, s.grpc_port, s.draft_port, s.target_port) == ("127.0.0.1", 8000, 50051, 50052, 50053)
     assert (s.draft_metrics_port, s.target_metrics_port) == (9052, 9053)
 
