@@ -19,7 +19,10 @@ DEFAULT_DRAFT = "ngram"
 # weights are read once, tandem.cpu_linear), 5 to 8 tokens cost two reads (70 ms). So K=3 (blocks
 # of 4) gave 1.65x of autoregressive on the bench prompts against 1.51x at K=5, in one session.
 DEFAULT_K = 3
-DRAFT_HELP = "draft SPEC, 'eagle' (the head shipped for the target), an eagle head directory, or 'ngram'"
+DRAFT_HELP = (
+    "draft SPEC, 'eagle' (the head shipped for the target), an eagle head directory, 'ngram', or "
+    "'ngram+eagle' / 'ngram+HEAD_DIR' (prompt lookup first, the eagle head where it finds no match)"
+)
 
 PORTS = {
     "gateway_http": 8000,

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.cpu_linear import few_row_linear, install_cpu_linears
+
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "head.safetensors"
 # Built-in heads shipped in the package: target built-in name -> folder under tandem/data/eagle/.
@@ -119,6 +121,7 @@ class EagleDrafter:
         self.config = head.config
         self.vocab_ids = vocab_ids  # [reduced] int64, reduced index -> target id
         self.target = target
+        install_cpu_linears(self.head, str(next(head.parameters()).device))  # a step is 1 row per session
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # [b] -> [b, hidden] float32
@@ -128,7 +131,7 @@ class EagleDrafter:
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """feature [b, hidden] at t, token_ids [b] at t+1 -> (feature [b, hidden] at t+1, logits [b, reduced])."""
         predicted = self.head(feature.float(), self.embed(token_ids))  # [b, hidden]
-        logits = predicted @ self.target.head_rows.T  # [b, reduced]
+        logits = few_row_linear(predicted, self.target.head_rows)  # [b, reduced]
         cap = self.config.logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

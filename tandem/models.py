@@ -28,13 +28,28 @@ MODEL_FREE_DRAFTS = ("ngram",)
 # only, under tandem/data/eagle/<name>/); a directory holding an eagle.json is a head too.
 EAGLE_DRAFT = "eagle"
 EAGLE_CONFIG_FILE = "eagle.json"  # = tandem.eagle.CONFIG_FILE (not imported: that pulls in torch)
+# ``ngram+eagle`` (or ``ngram+HEAD_DIR``): prompt lookup first, the eagle head where it finds no match.
+NGRAM_FIRST_PREFIX = "ngram+"
 # Draft specs that are names rather than model SPECs ``resolve`` could load.
-DRAFT_NAMES = (*MODEL_FREE_DRAFTS, EAGLE_DRAFT)
+DRAFT_NAMES = (*MODEL_FREE_DRAFTS, EAGLE_DRAFT, NGRAM_FIRST_PREFIX + EAGLE_DRAFT)
 
 
 def is_eagle_draft(spec: str) -> bool:
     """``eagle`` or an eagle head directory: drafts that borrow the target's weights, no model of their own."""
     return spec == EAGLE_DRAFT or (Path(spec).expanduser() / EAGLE_CONFIG_FILE).is_file()
+
+
+def ngram_first_head(spec: str) -> str | None:
+    """The eagle part of an ``ngram+EAGLE`` draft spec (``eagle`` or a head directory), else None."""
+    if not spec.startswith(NGRAM_FIRST_PREFIX):
+        return None
+    head = spec[len(NGRAM_FIRST_PREFIX) :]
+    return head if is_eagle_draft(head) else None
+
+
+def is_model_free_draft(spec: str) -> bool:
+    """Drafts with no model of their own to load or convert: ngram, eagle heads, and the two together."""
+    return spec in MODEL_FREE_DRAFTS or is_eagle_draft(spec) or ngram_first_head(spec) is not None
 
 
 def cache_dir() -> Path:

@@ -87,7 +87,7 @@ class Supervisor:
 
     def prepare_models(self) -> None:
         for role, spec in (("target", self.settings.target_model), ("draft", self.settings.draft_model)):
-            if spec in models.MODEL_FREE_DRAFTS or models.is_eagle_draft(spec):
+            if models.is_model_free_draft(spec):
                 continue  # no model of its own (an eagle head reads the target's, prepared above)
             started = time.monotonic()
             log.info("preparing %s model %s (the first start converts a GGUF once)", role, spec)

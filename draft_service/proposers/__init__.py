@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import TargetInfo
 from tandem.config import DraftSettings
-from tandem.models import BUILTIN_MODELS, EAGLE_DRAFT, MODEL_FREE_DRAFTS, ModelSpecError, is_eagle_draft
+from tandem.models import (
+    BUILTIN_MODELS,
+    EAGLE_DRAFT,
+    MODEL_FREE_DRAFTS,
+    NGRAM_FIRST_PREFIX,
+    ModelSpecError,
+    is_eagle_draft,
+    ngram_first_head,
+)
+
+if TYPE_CHECKING:
+    from draft_service.proposers.eagle import EagleProposer
 
 
 def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
@@ -33,7 +45,7 @@ def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
 
 def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
     """The proposer ``settings.draft_model`` names: ``ngram``, ``eagle`` or an eagle head directory,
-    or a model SPEC for ``hf``.
+    ``ngram+eagle`` / ``ngram+HEAD_DIR`` (lookup first, the head otherwise), or a model SPEC for ``hf``.
 
     Takes the target's Info because a model draft must not propose ids beyond the target's
     vocabulary, and an eagle head must have been trained for this very target.
@@ -44,17 +56,18 @@ def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
         from draft_service.proposers.ngram import NgramProposer
 
         return NgramProposer(settings.ngram_max, settings.ngram_min)
-    if is_eagle_draft(spec):
-        from draft_service.proposers.eagle import EagleProposer
-        from tandem.models import pick_device, resolve
+    head = ngram_first_head(spec)
+    if head is not None:
+        from draft_service.proposers.ngram import NgramProposer
+        from draft_service.proposers.ngram_first import NgramFirstProposer
 
-        head_dir = eagle_head_dir(spec, settings.target_model)
-        return EagleProposer.load(
-            head_dir,
-            resolve(settings.target_model).hf_dir,
-            target,
-            device=pick_device(settings.device),
-            draft_top_k=settings.draft_top_k,
+        ngram = NgramProposer(settings.ngram_max, settings.ngram_min)
+        return NgramFirstProposer(ngram, _load_eagle(head, settings, target))
+    if is_eagle_draft(spec):
+        return _load_eagle(spec, settings, target)
+    if spec.startswith(NGRAM_FIRST_PREFIX):
+        raise ModelSpecError(
+            f"draft {spec!r}: after {NGRAM_FIRST_PREFIX!r} comes 'eagle' or an eagle head directory (one holding eagle.json)"
         )
     if spec in MODEL_FREE_DRAFTS:
         raise ValueError(f"draft {spec!r} is not available in this draft service")
@@ -63,6 +76,19 @@ def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
 
     loaded = load_model(spec, device=settings.device, dtype=settings.dtype)
     return HfProposer(loaded, vocab_limit=target.vocab_size, draft_top_k=settings.draft_top_k)
+
+
+def _load_eagle(spec: str, settings: DraftSettings, target: TargetInfo) -> EagleProposer:
+    from draft_service.proposers.eagle import EagleProposer
+    from tandem.models import pick_device, resolve
+
+    return EagleProposer.load(
+        eagle_head_dir(spec, settings.target_model),
+        resolve(settings.target_model).hf_dir,
+        target,
+        device=pick_device(settings.device),
+        draft_top_k=settings.draft_top_k,
+    )
 
 
 __all__ = ["Proposer", "ProposerSession", "eagle_head_dir", "make_proposer"]

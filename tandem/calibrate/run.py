@@ -138,6 +138,12 @@ def load_drafter(spec: str, target: Any) -> Drafter:
     """The scorer for a draft SPEC, checked against the loaded target (tokenizer, vocabulary)."""
     from tandem import models
 
+    if models.ngram_first_head(spec) is not None:
+        raise CalibrateError(
+            f"{spec!r} pairs two drafters, and calibrate scores one at a time: run it with --draft-model ngram "
+            f"and with --draft-model {spec.removeprefix(models.NGRAM_FIRST_PREFIX)}; "
+            f"`tandem bench --start-stack --draft-model {spec}` measures the pair"
+        )
     if spec in models.MODEL_FREE_DRAFTS:
         return NgramDrafterScorer()
     head_dir = eagle_head_dir(spec, target.name)

@@ -1,0 +1,178 @@
+"""Replays drafters offline on the target's greedy outputs, priced with measured CPU costs.
+
+    python benchmarks/draft_replay.py --drafts ngram eagle ngram+eagle -k 3
+
+``tandem bench`` measures a whole stack, one drafter per run, in minutes. This answers "which
+drafter, which K" in about one: the target generates each bench prompt's greedy continuation
+once (cached in ``--cache``) along with its final hidden states, then every drafter's real
+proposer session is replayed against it in-process: propose, accept the longest prefix equal to
+the target's tokens, commit what a verdict would commit (with the hidden-state rows a verdict
+carries). Greedy verification is deterministic, so the rounds are exactly the live ones.
+
+Time is modelled, not measured end to end: a round costs the measured target pass over its
+1 + k tokens (median of several, on a context of the prompt's size), plus the drafter's own
+measured propose time. Autoregressive decoding costs one single-token pass per token; both
+start with the same measured prefill. On the bench prompts this matched ``tandem bench`` within
+a few percent (ngram, K=3: 1.65x modelled, 1.65x measured). Service overheads (gRPC, the
+gateway) are left out, so live numbers are a little lower for both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from draft_service.proposers import make_proposer
+from draft_service.types import SamplingConfig, TargetInfo
+from tandem.bench.prompts import load_prompts
+from tandem.config import DraftSettings
+from tandem.models import load_model, tokenizer_fingerprint
+from target_service import kv_cache
+
+
+def greedy_runs(loaded, prompts, max_tokens: int, cache: Path | None) -> list[dict]:
+    """Per prompt: its domain, prompt length, prompt + greedy tokens, and the final hidden states."""
+    if cache is not None and cache.is_file():
+        runs = torch.load(cache)
+        if len(runs) == len(prompts) and all(r["max_tokens"] == max_tokens for r in runs):
+            return runs
+    runs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = loaded.tokenizer(prompt.prompt, return_tensors="pt").input_ids  # [1, prompt]
+            out = loaded.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0]  # [prompt + new]
+            hidden = loaded.model(input_ids=out[None], output_hidden_states=True).hidden_states[-1][0]
+            runs.append(
+                {
+                    "domain": prompt.domain,
+                    "prompt_len": ids.shape[1],
+                    "ids": out.tolist(),
+                    "hidden": hidden.float(),
+                    "max_tokens": max_tokens,  # hidden: [seq, hidden]
+                }
+            )
+    if cache is not None:
+        torch.save(runs, cache)
+    return runs
+
+
+def pass_costs(loaded, context: int, max_block: int, repeats: int = 7) -> tuple[dict[int, float], float]:
+    """Median seconds of a pass over n = 1 .. max_block tokens after ``context`` cached tokens, and
+    of a prefill of ``context`` tokens."""
+    model = loaded.model
+    ids = torch.randint(100, 20000, (1, context))  # [1, context]
+    costs = {}
+    with torch.inference_mode():
+        cache = kv_cache.new_cache()
+        started = time.perf_counter()
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        prefill = time.perf_counter() - started
+        for n in range(1, max_block + 1):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=0)
+                times.append(time.perf_counter() - started)
+                kv_cache.truncate(cache, context)
+            costs[n] = statistics.median(times[1:])
+    return costs, prefill
+
+
+def replay(proposer, run: dict, k: int, costs: dict[int, float]) -> tuple[int, int, float]:
+    """(tokens after the first, rounds, their modelled seconds) of one prompt with one drafter."""
+    ids, plen, hidden = run["ids"], run["prompt_len"], run["hidden"]
+    end = len(ids)
+    committed = plen + 1  # the prefill commits the first token
+    session = proposer.new_session(ids[:committed], SamplingConfig())
+    seconds, rounds = 0.0, 0
+    try:
+        while committed < end:
+            budget = run["max_tokens"] - (committed - plen)
+            started = time.perf_counter()
+            drafts = session.propose(max(0, min(k, budget - 1))).token_ids
+            seconds += time.perf_counter() - started
+            accepted = 0
+            while (
+                accepted < len(drafts) and committed + accepted < end and ids[committed + accepted] == drafts[accepted]
+            ):
+                accepted += 1
+            new = ids[committed : committed + accepted + 1]
+            # Row i of a verdict's hidden states produced committed token i: position - 1.
+            session.commit(committed, new, hidden[committed - 1 : committed - 1 + len(new)])
+            committed += len(new)
+            seconds += costs[len(drafts) + 1]
+            rounds += 1
+    finally:
+        session.close()
+    return end - plen - 1, rounds, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target-model", default="gemma-3-270m")
+    parser.add_argument("--drafts", nargs="+", default=["ngram", "eagle", "ngram+eagle"])
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default=None, help="JSONL prompt set (default: the shared bench prompts)")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/tandem-draft-replay.pt"))
+    parser.add_argument("--json", type=Path, default=None, help="write the table as JSON")
+    args = parser.parse_args()
+
+    loaded = load_model(args.target_model, device="cpu")
+    prompts = load_prompts(args.prompts)
+    runs = greedy_runs(loaded, prompts, args.max_tokens, args.cache)
+    context = round(statistics.median(r["prompt_len"] for r in runs))
+    costs, _ = pass_costs(loaded, context, max(args.num_speculative_tokens) + 1)
+    prefills = {}
+    with torch.inference_mode():
+        for i, run in enumerate(runs):
+            started = time.perf_counter()
+            loaded.model(input_ids=torch.tensor([run["ids"][: run["prompt_len"]]]), logits_to_keep=1)
+            prefills[i] = time.perf_counter() - started
+    print("pass over n tokens (ms): " + ", ".join(f"{n}: {c * 1000:.1f}" for n, c in costs.items()))
+    text = loaded.model.config.get_text_config()
+    info = TargetInfo(
+        model_name=loaded.name,
+        vocab_size=int(text.vocab_size),
+        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        max_context_len=32768,
+        eos_token_ids=(),
+        hidden_size=int(text.hidden_size),
+    )
+    table = []
+    for spec in args.drafts:
+        proposer = make_proposer(DraftSettings(draft_model=spec, target_model=args.target_model, device="cpu"), info)
+        proposer.warm_up()
+        for k in args.num_speculative_tokens:
+            by_domain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+            for i, run in enumerate(runs):
+                tokens, rounds, seconds = replay(proposer, run, k, costs)
+                for key in (run["domain"], "all"):
+                    row = by_domain[key]
+                    row[0] += tokens
+                    row[1] += rounds
+                    row[2] += prefills[i] + seconds
+                    row[3] += prefills[i] + tokens * costs[1]
+            cells = {d: {"speedup": r[3] / r[2], "tokens_per_round": r[0] / r[1]} for d, r in by_domain.items()}
+            table.append({"draft": spec, "k": k, "domains": cells})
+            order = ["all", *sorted(d for d in cells if d != "all")]
+            print(
+                f"{spec:>14} K={k}: "
+                + "  ".join(f"{d} {cells[d]['speedup']:.2f}x ({cells[d]['tokens_per_round']:.2f}/round)" for d in order)
+            )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"pass_ms": {n: c * 1000 for n, c in costs.items()}, "rows": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

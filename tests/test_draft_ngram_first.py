@@ -1,0 +1,107 @@
+"""``ngram+eagle``: prompt lookup first, the eagle head where lookup finds no match.
+
+Tiny random targets and random heads: what is tested is which drafter drafts each block, that the
+head's feature stays current through lookup rounds, and exactness, not acceptance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from draft_fakes import generate_greedy, load_tiny
+from test_draft_eagle import PROMPT, load_eagle, make_head, speculate_in_process, target_info
+
+from draft_service.proposers import make_proposer
+from draft_service.proposers.ngram import NgramProposer, find_continuation
+from draft_service.proposers.ngram_first import NgramFirstProposer, NgramFirstSession
+from draft_service.types import SamplingConfig
+from tandem.calibrate.run import CalibrateError, load_drafter
+from tandem.config import DraftSettings
+from tandem.models import ModelSpecError, is_model_free_draft, ngram_first_head
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir):
+    return load_tiny(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def head(llama, tmp_path_factory) -> Path:
+    return make_head(tmp_path_factory.mktemp("head"), llama)
+
+
+@pytest.fixture
+def proposer(llama, head) -> NgramFirstProposer:
+    return NgramFirstProposer(NgramProposer(), load_eagle(head, llama))
+
+
+def test_lookup_drafts_when_the_suffix_recurs_and_the_head_otherwise(proposer: NgramFirstProposer) -> None:
+    hidden = torch.randn(3, proposer.eagle.drafter.config.hidden_size)  # [3, hidden]
+    tokens = [5, 6, 7, 8, 9]  # no token recurs: lookup has nothing
+    session = proposer.new_session(tokens, SamplingConfig())
+    assert isinstance(session, NgramFirstSession)
+    assert session.propose(3).token_ids == ()  # no lookup match and no feature yet: an empty block
+
+    session.commit(5, (10, 11, 12), hidden)  # a verdict with its hidden states
+    tokens += [10, 11, 12]
+    eagle_only = proposer.eagle.new_session(tokens, SamplingConfig())
+    eagle_only.commit(8, (), None)
+    eagle_only.commit(5, (10, 11, 12), hidden)
+    by_head = session.propose(3)
+    assert by_head.token_ids and by_head == eagle_only.propose(3)
+    assert (session.lookups, session.head_drafts) == (0, 1)
+
+    # 7 recurs: lookup copies what followed it, and the head still gets the commit (its feature is
+    # current for the next round without lookup).
+    session.commit(8, (7,), hidden[-1:])
+    tokens.append(7)
+    assert find_continuation(torch.tensor(tokens).numpy(), 4, 1) is not None
+    assert session.propose(3).token_ids == (8, 9, 10)
+    assert (session.lookups, session.head_drafts) == (1, 1)
+    assert session._eagle.has_feature
+
+
+async def test_greedy_loop_equals_the_targets_generate(llama, proposer: NgramFirstProposer) -> None:
+    n = 32
+    tokens, _, blocks = await speculate_in_process(llama, proposer, n, k=3)
+    assert tokens == generate_greedy(llama.model, PROMPT, n, llama.tokenizer.eos_token_id)
+    assert all(b.return_hidden_states for b in blocks)
+    drafted = [b for b in blocks if b.proposal.token_ids]
+    assert drafted  # the random head drafts wherever lookup has nothing
+
+
+async def test_seeded_sampling_is_reproducible_and_blocks_carry_the_drafters_q(llama, proposer) -> None:
+    first, _, blocks = await speculate_in_process(llama, proposer, 24, k=3, temperature=1.0, seed=3)
+    again, _, _ = await speculate_in_process(llama, proposer, 24, k=3, temperature=1.0, seed=3)
+    assert first == again
+    vocab = set(proposer.eagle.drafter.vocab_ids.tolist())
+    for block in blocks:
+        proposal = block.proposal
+        # Lookup blocks are deterministic (no q: one-hot); head blocks carry a q per token.
+        assert len(proposal.probs) in (0, len(proposal.token_ids))
+        if proposal.probs:
+            assert set(proposal.token_ids) <= vocab
+
+
+def test_spec_resolution(llama, head, tmp_path: Path) -> None:
+    spec = f"ngram+{head}"
+    assert ngram_first_head(spec) == str(head) and ngram_first_head("ngram+eagle") == "eagle"
+    assert ngram_first_head("ngram") is None and ngram_first_head(f"ngram+{tmp_path}") is None
+    assert is_model_free_draft(spec) and is_model_free_draft("ngram+eagle") and not is_model_free_draft("gpt2")
+
+    settings = DraftSettings(draft_model=spec, target_model=str(llama.hf_dir), device="cpu")
+    made = make_proposer(settings, target_info(llama))
+    assert isinstance(made, NgramFirstProposer)
+    assert (made.kind, made.wants_hidden_states) == ("ngram+eagle", True)
+    assert made.model_name == f"eagle:{head.name}" and made.tokenizer_fingerprint
+
+    bad = DraftSettings(draft_model=f"ngram+{tmp_path}", target_model=str(llama.hf_dir), device="cpu")
+    with pytest.raises(ModelSpecError, match="eagle head directory"):
+        make_proposer(bad, target_info(llama))
+
+
+def test_calibrate_asks_for_one_drafter_at_a_time(llama, head) -> None:
+    with pytest.raises(CalibrateError, match="one at a time"):
+        load_drafter(f"ngram+{head}", llama)
