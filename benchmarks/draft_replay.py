@@ -66,26 +66,27 @@ def greedy_runs(loaded, prompts, max_tokens: int, cache: Path | None) -> list[di
     return runs
 
 
-def pass_costs(loaded, context: int, max_block: int, repeats: int = 7) -> tuple[dict[int, float], float]:
-    """Median seconds of a pass over n = 1 .. max_block tokens after ``context`` cached tokens, and
-    of a prefill of ``context`` tokens."""
+def pass_costs(loaded, context: int, max_block: int, sweeps: int = 5) -> dict[int, float]:
+    """Median seconds of a pass over n = 1 .. max_block tokens after ``context`` cached tokens.
+
+    The sizes are interleaved over several sweeps, so a burst of load elsewhere on the machine
+    shifts every size alike instead of one.
+    """
     model = loaded.model
     ids = torch.randint(100, 20000, (1, context))  # [1, context]
-    costs = {}
+    times: dict[int, list[float]] = defaultdict(list)
     with torch.inference_mode():
         cache = kv_cache.new_cache()
-        started = time.perf_counter()
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - started
-        for n in range(1, max_block + 1):
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=0)
-                times.append(time.perf_counter() - started)
-                kv_cache.truncate(cache, context)
-            costs[n] = statistics.median(times[1:])
-    return costs, prefill
+        for sweep in range(sweeps + 1):
+            for n in range(1, max_block + 1):
+                for _ in range(3):
+                    started = time.perf_counter()
+                    model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=0)
+                    if sweep:  # the first sweep warms up
+                        times[n].append(time.perf_counter() - started)
+                    kv_cache.truncate(cache, context)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def replay(proposer, run: dict, k: int, costs: dict[int, float]) -> tuple[int, int, float]:
@@ -132,7 +133,7 @@ def main() -> None:
     prompts = load_prompts(args.prompts)
     runs = greedy_runs(loaded, prompts, args.max_tokens, args.cache)
     context = round(statistics.median(r["prompt_len"] for r in runs))
-    costs, _ = pass_costs(loaded, context, max(args.num_speculative_tokens) + 1)
+    costs = pass_costs(loaded, context, max(args.num_speculative_tokens) + 1)
     prefills = {}
     with torch.inference_mode():
         for i, run in enumerate(runs):

@@ -71,6 +71,9 @@ class DraftSettings(_Base):
     metrics_port: int = Field(PORTS["draft_metrics"], description="Prometheus port (0 = off)")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
     draft_top_k: int = Field(32, ge=1, description="the draft samples from its renormalised top-k")
+    eagle_min_confidence: float = Field(
+        0.0, ge=0.0, lt=1.0, description="an eagle block ends after a draft the head gives less probability than this"
+    )
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
     ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")
 

@@ -105,3 +105,20 @@ def test_spec_resolution(llama, head, tmp_path: Path) -> None:
 def test_calibrate_asks_for_one_drafter_at_a_time(llama, head) -> None:
     with pytest.raises(CalibrateError, match="one at a time"):
         load_drafter(f"ngram+{head}", llama)
+
+
+def test_an_eagle_block_ends_where_the_head_doubts_itself(llama, head) -> None:
+    hidden = torch.randn(2, llama.model.config.hidden_size)  # [2, hidden]
+
+    def block(min_confidence: float) -> tuple[int, ...]:
+        proposer = load_eagle(head, llama, min_confidence=min_confidence)
+        session = proposer.new_session(PROMPT, SamplingConfig())
+        session.commit(len(PROMPT), (50, 51), hidden)
+        return session.propose(4).token_ids
+
+    full = block(0.0)
+    assert len(full) == 4
+    # A random head over 120 tokens is never 99.9% sure: one draft, then the block ends.
+    assert block(0.999) == full[:1]
+    with pytest.raises(ValueError, match="min_confidence"):
+        load_eagle(head, llama, min_confidence=1.0)

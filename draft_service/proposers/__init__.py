@@ -88,6 +88,7 @@ def _load_eagle(spec: str, settings: DraftSettings, target: TargetInfo) -> Eagle
         target,
         device=pick_device(settings.device),
         draft_top_k=settings.draft_top_k,
+        min_confidence=settings.eagle_min_confidence,
     )
 
 

@@ -107,6 +107,10 @@ class EagleSession(ProposerSession):
                 tokens.append(token)
                 if dist is not None:
                     dists.append(dist)
+                # Stop where the head doubts its own next step: drafts past here are rarely
+                # accepted, and each one widens the target's pass.
+                if self._doubts(logits[0]) and len(tokens) < max_tokens:
+                    break
         return Proposal(tuple(tokens), tuple(dists))
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
@@ -139,6 +143,11 @@ class EagleSession(ProposerSession):
         self._feature = None
         self._tokens = []
 
+    def _doubts(self, logits: torch.Tensor) -> bool:
+        """Whether the head gives its top token less than ``min_confidence`` (logits: [reduced])."""
+        floor = self._proposer.min_confidence
+        return floor > 0 and float(torch.softmax(logits.float(), dim=-1).max()) < floor
+
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         """A draft token (target id) from the logits over the reduced vocabulary [reduced]."""
         vocab_ids = self._proposer.drafter.vocab_ids
@@ -152,9 +161,14 @@ class EagleProposer(Proposer):
 
     kind = "eagle"
 
-    def __init__(self, drafter: EagleDrafter, *, name: str, device: str = "cpu", draft_top_k: int = 32) -> None:
+    def __init__(
+        self, drafter: EagleDrafter, *, name: str, device: str = "cpu", draft_top_k: int = 32, min_confidence: float = 0.0
+    ) -> None:
         if draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {draft_top_k}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        self.min_confidence = min_confidence
         self.drafter = drafter
         self.device = torch.device(device)
         self.draft_top_k = draft_top_k
@@ -170,6 +184,7 @@ class EagleProposer(Proposer):
         device: str = "cpu",
         embed_dtype: torch.dtype | None = torch.bfloat16,
         draft_top_k: int = 32,
+        min_confidence: float = 0.0,
     ) -> EagleProposer:
         """Loads a head directory and the target's embedding and reduced LM-head rows.
 
@@ -199,7 +214,9 @@ class EagleProposer(Proposer):
             head_dir, time.perf_counter() - started, vocab_ids.numel(), config.target_vocab_size,
             str(embed.dtype).removeprefix("torch."), device,
         )
-        return cls(drafter, name=f"eagle:{head_dir.name}", device=device, draft_top_k=draft_top_k)
+        return cls(
+            drafter, name=f"eagle:{head_dir.name}", device=device, draft_top_k=draft_top_k, min_confidence=min_confidence
+        )
 
     @property
     def model_name(self) -> str:
