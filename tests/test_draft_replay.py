@@ -1,0 +1,71 @@
+"""benchmarks/draft_replay.py: the offline replay commits exactly what live verdicts would."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from draft_service.proposers.ngram import NgramProposer
+from draft_service.types import Proposal
+
+_spec = importlib.util.spec_from_file_location(
+    "draft_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "draft_replay.py"
+)
+draft_replay = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(draft_replay)
+
+COSTS = {1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0}
+
+
+class Recording:
+    """A proposer that drafts a fixed guess and records every commit."""
+
+    def __init__(self, guess: Sequence[int]) -> None:
+        self.guess = tuple(guess)
+        self.commits: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+
+    def new_session(self, token_ids, sampling):
+        proposer = self
+
+        class Session:
+            def propose(self, k: int) -> Proposal:
+                return Proposal(proposer.guess[:k])
+
+            def commit(self, base_len, token_ids, hidden_states=None) -> None:
+                proposer.commits.append((base_len, tuple(token_ids), tuple(hidden_states[:, 0].int().tolist())))
+
+            def close(self) -> None:
+                pass
+
+        return Session()
+
+
+def run(ids: list[int], prompt_len: int, max_tokens: int) -> dict:
+    hidden = torch.arange(len(ids), dtype=torch.float32)[:, None].repeat(1, 4)  # [seq, 4]: row i holds i
+    return {"domain": "code", "prompt_len": prompt_len, "ids": ids, "hidden": hidden, "max_tokens": max_tokens}
+
+
+def test_rounds_commit_the_accepted_prefix_plus_one_with_the_verdicts_hidden_rows() -> None:
+    ids = [1, 2, 3, 10, 11, 12, 13, 14, 15]  # prompt of 3, then 6 generated tokens
+    proposer = Recording([11, 12, 99])
+    tokens, rounds, seconds = draft_replay.replay(proposer, run(ids, 3, 6), 3, COSTS)
+    # The prefill committed 10; round 1 drafts 11 12 99 at position 4: accepts 2, commits 11 12 13.
+    assert proposer.commits[0] == (4, (11, 12, 13), (3, 4, 5))  # rows: each token's position - 1
+    assert tokens == 5 and sum(len(c[1]) for c in proposer.commits) == 5
+    # Then the budget (6 - 4 generated = 2 tokens) allows 1 draft (14 rejected), then none.
+    assert [c[1] for c in proposer.commits] == [(11, 12, 13), (14,), (15,)]
+    assert rounds == 3
+    assert COSTS[4] + COSTS[2] + COSTS[1] <= seconds < COSTS[4] + COSTS[2] + COSTS[1] + 0.5  # + propose time
+
+
+def test_the_budget_caps_drafts_and_lookup_runs_unchanged() -> None:
+    ids = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]  # a repeating prompt continues repeating
+    tokens, rounds, seconds = draft_replay.replay(NgramProposer(), run(ids, 4, 6), 3, COSTS)
+    assert tokens == 5
+    # 3 drafts accepted + 1 (4 tokens), then the budget leaves 1 token: an empty block.
+    assert rounds == 2
+    assert seconds >= COSTS[4] + COSTS[1]
+
