@@ -128,6 +128,22 @@ async def start_draft(
     return RunningDraft(bound_port, server, engine, target, worker, health)
 
 
+def limit_torch_threads(threads: int) -> None:
+    """Caps the draft's intra-op threads (0 leaves torch's default, one per core).
+
+    The draft and the target take turns, but a process's idle OpenMP workers spin for a while
+    after each parallel region. With one worker per core in both processes, the draft's spinning
+    workers steal cores from the target's verification and the target's from the draft's steps.
+    Measured on 2 cores, ngram+eagle on 12 bench prompts: rounds of 54.3 ms (verify 47.5 ms) with
+    the default, 50.8 ms (verify 44.8 ms) with one draft thread. A drafting step is a few small
+    products, for which one core is enough.
+    """
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def run(settings: DraftSettings) -> None:
     """Runs the draft service until SIGINT or SIGTERM (``tandem draft``). Blocking.
 
@@ -137,6 +153,7 @@ def run(settings: DraftSettings) -> None:
     """
     if not logging.getLogger().handlers:  # ``tandem draft`` has set it up already
         setup_logging("draft", settings.log_level)
+    limit_torch_threads(settings.torch_threads)
     telemetry.setup_tracing("draft")
     try:
         asyncio.run(_serve_until_signalled(settings))

@@ -74,6 +74,12 @@ class DraftSettings(_Base):
     eagle_min_confidence: float = Field(
         0.0, ge=0.0, lt=1.0, description="an eagle block ends after a draft the head gives less probability than this"
     )
+    torch_threads: int = Field(
+        1,
+        ge=0,
+        description="CPU threads for the draft's tensor work (0 = torch's default); the default 1 leaves the "
+        "cores to the target",
+    )
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
     ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")
 
