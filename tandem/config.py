@@ -62,6 +62,11 @@ class TargetSettings(_Base):
 
 
 class DraftSettings(_Base):
+    dtype: str = Field(
+        "auto",
+        description="auto (an eagle head steps in bf16; an hf draft loads in fp32 on CPU, bf16 on CUDA), float32, "
+        "bfloat16, float16",
+    )
     draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, DRAFT_HELP)
     target_model: str = _model_field(
         "target_model", DEFAULT_TARGET, "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head"
@@ -73,6 +78,12 @@ class DraftSettings(_Base):
     draft_top_k: int = Field(32, ge=1, description="the draft samples from its renormalised top-k")
     eagle_min_confidence: float = Field(
         0.0, ge=0.0, lt=1.0, description="an eagle block ends after a draft the head gives less probability than this"
+    )
+    eagle_vocab: int = Field(
+        8192,
+        ge=0,
+        description="an eagle head proposes only the N tokens the target picks most often (0 = the head's whole "
+        "reduced vocabulary); fewer rows make each draft step cheaper",
     )
     torch_threads: int = Field(
         1,

@@ -305,10 +305,62 @@ def test_proposer_reports_itself(llama, llama_head):
     assert proposer.kind == "eagle" and proposer.wants_hidden_states
     assert proposer.model_name == f"eagle:{llama_head.name}"
     assert proposer.tokenizer_fingerprint == tokenizer_fingerprint(llama.tokenizer)
-    # The borrowed embedding stays in bf16 (half the memory); the head rows are float32.
+    # The borrowed embedding stays in bf16 (half the memory), and by default steps run in bf16 too.
     assert proposer.drafter.target.embed.dtype == torch.bfloat16
     assert proposer.drafter.target.head_rows.shape == (REDUCED, 32)
+    assert proposer.drafter.target.head_rows.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in proposer.drafter.head.parameters())
     assert not HfProposer(llama).wants_hidden_states
+
+
+def test_a_vocab_limit_keeps_the_most_frequent_prefix(llama, llama_head):
+    """The head's vocabulary is ordered by how often the target picked each token, so a limit keeps
+    a prefix: the same rows, the same logits for them, and ids still mapped to the target's."""
+    full = load_eagle(llama_head, llama, dtype=torch.float32)
+    cut = load_eagle(llama_head, llama, dtype=torch.float32, vocab_limit=50)
+    assert torch.equal(cut.drafter.vocab_ids, full.drafter.vocab_ids[:50])
+    assert torch.equal(cut.drafter.target.head_rows, full.drafter.target.head_rows[:50])
+    feature = torch.randn(2, 32)  # [b, hidden]
+    tokens = torch.tensor([40, 41])  # [b]
+    _, full_logits = full.drafter.step(feature, tokens)  # [2, REDUCED]
+    _, cut_logits = cut.drafter.step(feature, tokens)  # [2, 50]
+    torch.testing.assert_close(cut_logits, full_logits[:, :50])
+    # A limit past the head's own vocabulary keeps all of it; a negative one is refused.
+    assert load_eagle(llama_head, llama, vocab_limit=10_000).drafter.vocab_ids.numel() == REDUCED
+    with pytest.raises(ValueError, match="vocab_limit"):
+        load_eagle(llama_head, llama, vocab_limit=-1)
+    # Every drafted id is one of the kept ones.
+    session = cut.new_session(PROMPT, SamplingConfig())
+    session.commit(len(PROMPT), (7,), torch.randn(1, 32))
+    assert set(session.propose(4).token_ids) <= set(cut.drafter.vocab_ids.tolist())
+
+
+def test_bf16_steps_follow_the_fp32_head(llama, llama_head):
+    """bf16 steps are for speed only: their logits stay close to fp32's, and they come back float32
+    (the sampler's q is computed from them)."""
+    fp32 = load_eagle(llama_head, llama, dtype=torch.float32)
+    bf16 = load_eagle(llama_head, llama, dtype=torch.bfloat16)
+    feature = torch.randn(4, 32)  # [b, hidden]
+    tokens = torch.tensor([40, 41, 42, 43])  # [b]
+    f32_feature, f32_logits = fp32.drafter.step(feature, tokens)
+    b16_feature, b16_logits = bf16.drafter.step(feature, tokens)
+    assert b16_logits.dtype == torch.float32 and b16_logits.shape == f32_logits.shape
+    torch.testing.assert_close(b16_logits, f32_logits, atol=0.05 * float(f32_logits.abs().max()), rtol=0.05)
+    torch.testing.assert_close(b16_feature.float(), f32_feature, atol=0.05 * float(f32_feature.abs().max()), rtol=0.05)
+
+
+def test_settings_choose_the_drafters_dtype_and_vocabulary(llama, llama_head):
+    """``--dtype auto`` means bf16 steps for an eagle head; ``--eagle-vocab`` limits its rows."""
+    info = target_info(llama)
+    settings = DraftSettings(draft_model=str(llama_head), target_model=str(llama.hf_dir), device="cpu")
+    assert settings.eagle_vocab == 8192
+    proposer = make_proposer(settings, info)
+    assert proposer.drafter.dtype == torch.bfloat16 and proposer.drafter.vocab_ids.numel() == REDUCED
+    settings = DraftSettings(
+        draft_model=str(llama_head), target_model=str(llama.hf_dir), device="cpu", dtype="float32", eagle_vocab=16
+    )
+    proposer = make_proposer(settings, info)
+    assert proposer.drafter.dtype == torch.float32 and proposer.drafter.vocab_ids.numel() == 16
 
 
 # --------------------------------------------------------------------------- refusals and spec resolution

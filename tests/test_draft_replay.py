@@ -69,3 +69,29 @@ def test_the_budget_caps_drafts_and_lookup_runs_unchanged() -> None:
     assert rounds == 2
     assert seconds >= COSTS[4] + COSTS[1]
 
+
+
+def test_each_proposal_follows_a_cache_flush_and_is_timed() -> None:
+    """Live, every proposal follows a target pass that evicted the caches; replay says so by
+    flushing before each one, and records each proposal's own time."""
+    ids = [1, 2, 3, 10, 11, 12, 13, 14, 15]
+    events: list[str] = []
+    proposer = Recording([11, 12, 99])
+    original = proposer.new_session
+
+    def new_session(*args):
+        session = original(*args)
+        propose = session.propose
+        session.propose = lambda k: events.append("propose") or propose(k)
+        return session
+
+    proposer.new_session = new_session
+    times: list[float] = []
+    _, rounds, _ = draft_replay.replay(proposer, run(ids, 3, 6), 3, COSTS, lambda: events.append("flush"), times)
+    assert events == ["flush", "propose"] * rounds
+    assert len(times) == rounds and all(t >= 0 for t in times)
+    flusher = draft_replay.CacheFlusher(1)
+    flusher()
+    flusher()
+    assert flusher.buffer.numel() == 2**20 // 4 and float(flusher.buffer[0]) == 2.0
+    draft_replay.CacheFlusher(0)()  # 0 MiB: nothing to write

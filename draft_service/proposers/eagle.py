@@ -185,12 +185,16 @@ class EagleProposer(Proposer):
         embed_dtype: torch.dtype | None = torch.bfloat16,
         draft_top_k: int = 32,
         min_confidence: float = 0.0,
+        dtype: torch.dtype = torch.bfloat16,
+        vocab_limit: int = 0,
     ) -> EagleProposer:
         """Loads a head directory and the target's embedding and reduced LM-head rows.
 
         Checks the head against the target's Info first, before reading the large embedding
         ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
-        the head RMS-normalises the rows it looks up, so the rounding is immaterial).
+        the head RMS-normalises the rows it looks up, so the rounding is immaterial). ``dtype`` and
+        ``vocab_limit`` are the drafter's (``tandem.eagle.EagleDrafter``): steps in bf16 over the
+        most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it).
         """
         started = time.perf_counter()
         head_dir = Path(head_dir)
@@ -208,11 +212,14 @@ class EagleProposer(Proposer):
             head.to(device),
             vocab_ids.to(device),
             TargetTensors(embed=embed.to(device), head_rows=tensors.head_rows.to(device)),
+            dtype=dtype,
+            vocab_limit=vocab_limit,
         )
         log.info(
-            "eagle head %s loaded in %.1fs (reduced vocabulary %d of %d, target embedding %s on %s)",
-            head_dir, time.perf_counter() - started, vocab_ids.numel(), config.target_vocab_size,
-            str(embed.dtype).removeprefix("torch."), device,
+            "eagle head %s loaded in %.1fs (draft vocabulary %d of the head's %d and the target's %d, steps in %s, "
+            "target embedding %s on %s)",
+            head_dir, time.perf_counter() - started, drafter.vocab_ids.numel(), vocab_ids.numel(),
+            config.target_vocab_size, str(dtype).removeprefix("torch."), str(embed.dtype).removeprefix("torch."), device,
         )
         return cls(
             drafter, name=f"eagle:{head_dir.name}", device=device, draft_top_k=draft_top_k, min_confidence=min_confidence

@@ -94,8 +94,7 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def _head_precision(head_dir: Path, config: Any, target: Any) -> Precision:
-    """An eagle head borrows the target's own embedding and LM head and runs in float32, so its
-    storage dtype says little; what matters is the precision of the target it was trained on: the
+    """An eagle head borrows the target's own embedding and LM head, so its storage dtype says little; what matters is the precision of the target it was trained on: the
     ``target_precision`` its metadata records (a ``checkpoint_precision`` label), else that of the
     checkpoint its ``target_model`` names, when that is this target or a folder here."""
     recorded = config.metadata.get("target_precision")
@@ -161,7 +160,12 @@ def load_drafter(spec: str, target: Any) -> Drafter:
             tensors = load_target_tensors(target.hf_dir, head.config, vocab_ids)
         except EagleCheckpointError as exc:
             raise CalibrateError(str(exc)) from exc
-        return EagleDrafterScorer(EagleDrafter(head, vocab_ids, tensors), head_dir, _head_precision(head_dir, head.config, target))
+        # Scored as the draft service runs it: bf16 steps over its most frequent --eagle-vocab tokens.
+        from tandem.config import DraftSettings
+
+        served_vocab = DraftSettings.model_fields["eagle_vocab"].default
+        drafter = EagleDrafter(head, vocab_ids, tensors, dtype=torch.bfloat16, vocab_limit=served_vocab)
+        return EagleDrafterScorer(drafter, head_dir, _head_precision(head_dir, head.config, target))
     try:
         draft = models.load_model(spec, device=target.device, dtype=target.dtype)
     except models.ModelSpecError as exc:
