@@ -79,6 +79,13 @@ class DraftSettings(_Base):
     eagle_min_confidence: float = Field(
         0.0, ge=0.0, lt=1.0, description="an eagle block ends after a draft the head gives less probability than this"
     )
+    eagle_k: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="in ngram+eagle, the most tokens the eagle head drafts in a block where lookup has none "
+        "(0 = the block's K); its deeper drafts rarely pay for the wider verification on a CPU",
+    )
     eagle_vocab: int = Field(
         8192,
         ge=0,

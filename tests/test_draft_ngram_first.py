@@ -96,6 +96,9 @@ def test_spec_resolution(llama, head, tmp_path: Path) -> None:
     assert isinstance(made, NgramFirstProposer)
     assert (made.kind, made.wants_hidden_states) == ("ngram+eagle", True)
     assert made.model_name == f"eagle:{head.name}" and made.tokenizer_fingerprint
+    assert made.head_k == 1  # --eagle-k's default
+    settings = DraftSettings(draft_model=spec, target_model=str(llama.hf_dir), device="cpu", eagle_k=0)
+    assert make_proposer(settings, target_info(llama)).head_k == 0
 
     bad = DraftSettings(draft_model=f"ngram+{tmp_path}", target_model=str(llama.hf_dir), device="cpu")
     with pytest.raises(ModelSpecError, match="eagle head directory"):
@@ -122,3 +125,16 @@ def test_an_eagle_block_ends_where_the_head_doubts_itself(llama, head) -> None:
     assert block(0.999) == full[:1]
     with pytest.raises(ValueError, match="min_confidence"):
         load_eagle(head, llama, min_confidence=1.0)
+
+
+def test_the_head_drafts_at_most_head_k_tokens_and_lookup_keeps_k(llama, head) -> None:
+    hidden = torch.randn(1, 32)  # [1, hidden]
+    for head_k, expected in ((1, 1), (2, 2), (0, 3), (5, 3)):
+        proposer = NgramFirstProposer(NgramProposer(), load_eagle(head, llama), head_k=head_k)
+        session = proposer.new_session([5, 6, 7, 8, 9], SamplingConfig())
+        session.commit(5, (10,), hidden)
+        assert len(session.propose(3).token_ids) == expected  # the head, capped at head_k
+        session.commit(6, (7,), hidden)  # 7 recurs: lookup drafts the full K whatever head_k is
+        assert session.propose(3).token_ids == (8, 9, 10)
+    with pytest.raises(ValueError, match="head_k"):
+        NgramFirstProposer(NgramProposer(), load_eagle(head, llama), head_k=-1)

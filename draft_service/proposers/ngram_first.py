@@ -12,6 +12,13 @@ Both sub-sessions see every commit, so the head always has the current feature: 
 for hidden states, whoever drafted it. Which drafter runs is decided from the committed tokens
 only, and each block carries the q of the drafter that made it (one-hot for lookup, the head's
 sparse q when sampling), so rejection sampling stays exact.
+
+The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 1), fewer than lookup's
+K. Its deeper drafts are accepted less often (0.49, 0.39, 0.36 by depth for the shipped head),
+while on a CPU they make the target's pass wider (a 4-token verification took 45 ms live against
+38 ms for 2) and each head step costs 1 to 2 ms right after a target pass. Measured live, 12
+bench prompts, 64 tokens: 45.1 tokens/s with 1 head draft, 44.4 with 2, 43.8 with 3, 42.5 for
+lookup alone.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ if TYPE_CHECKING:
 
 
 class NgramFirstSession(ProposerSession):
-    def __init__(self, ngram: NgramSession, eagle: EagleSession) -> None:
+    def __init__(self, ngram: NgramSession, eagle: EagleSession, head_k: int = 0) -> None:
         self._ngram = ngram
         self._eagle = eagle
+        self._head_k = head_k  # most drafts a head block makes (0 = the block's own K)
         self.lookups = 0  # blocks drafted by prompt lookup
         self.head_drafts = 0  # blocks drafted by the eagle head
 
@@ -40,7 +48,7 @@ class NgramFirstSession(ProposerSession):
         if proposal.token_ids:
             self.lookups += 1
             return proposal
-        proposal = self._eagle.propose(max_tokens)
+        proposal = self._eagle.propose(min(max_tokens, self._head_k) if self._head_k else max_tokens)
         if proposal.token_ids:
             self.head_drafts += 1
         return proposal
@@ -57,9 +65,12 @@ class NgramFirstSession(ProposerSession):
 class NgramFirstProposer(Proposer):
     kind = "ngram+eagle"
 
-    def __init__(self, ngram: NgramProposer, eagle: EagleProposer) -> None:
+    def __init__(self, ngram: NgramProposer, eagle: EagleProposer, head_k: int = 0) -> None:
+        if head_k < 0:
+            raise ValueError(f"head_k must be >= 0, got {head_k}")
         self.ngram = ngram
         self.eagle = eagle
+        self.head_k = head_k
 
     @property
     def model_name(self) -> str:
@@ -75,7 +86,7 @@ class NgramFirstProposer(Proposer):
 
     def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> NgramFirstSession:
         return NgramFirstSession(
-            self.ngram.new_session(token_ids, sampling), self.eagle.new_session(token_ids, sampling)
+            self.ngram.new_session(token_ids, sampling), self.eagle.new_session(token_ids, sampling), self.head_k
         )
 
     def warm_up(self) -> None:
