@@ -54,7 +54,8 @@ def child_commands(s: ServeSettings) -> list[Child]:
     )
     draft = Child(
         "draft",
-        [*py, "draft", *common, *device, "--draft-model", s.draft_model, "--target-model", s.target_model,
+        [*py, "draft", *common, *device, "--draft-model", models.resolve_draft_spec(s.draft_model, s.target_model),
+         "--target-model", s.target_model,
          "--target-address", f"{near}:{s.target_port}", "--port", str(s.draft_port),
          "--metrics-port", str(s.draft_metrics_port), "--num-speculative-tokens", str(s.num_speculative_tokens)],
         f"{near}:{s.draft_port}",
@@ -126,7 +127,8 @@ class Supervisor:
             f"  OpenAI API    http://{near}:{s.http_port}/v1   (model: "
             f"{s.served_model_name or models.default_served_name(s.target_model)})\n"
             f"  gateway gRPC  {near}:{s.grpc_port}   (tandem.v1.GatewayService)\n"
-            f"  draft gRPC    {near}:{s.draft_port}   ({s.draft_model}, K={s.num_speculative_tokens})\n"
+            f"  draft gRPC    {near}:{s.draft_port}   "
+            f"({models.resolve_draft_spec(s.draft_model, s.target_model)}, K={s.num_speculative_tokens})\n"
             f"  target gRPC   {near}:{s.target_port}\n"
             f"  metrics       http://{near}:{s.http_port}/metrics  http://{near}:{s.draft_metrics_port}/metrics"
             f"  http://{near}:{s.target_metrics_port}/metrics\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import cli, config
+from tandem.models import is_model_free_draft, resolve_draft_spec
 from tandem.supervisor import child_commands, connect_host
 
 
@@ -18,7 +19,12 @@ def test_defaults_follow_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     s = parse("serve")
     assert (s.target_model, s.draft_model, s.num_speculative_tokens) == ("gemma-3-270m", config.DEFAULT_DRAFT, config.DEFAULT_K)
-    assert config.DEFAULT_DRAFT in ("eagle", "ngram")
+    assert config.DEFAULT_DRAFT == "auto"
+    # auto: lookup plus the head shipped for the default target; lookup alone for other targets.
+    assert resolve_draft_spec("auto", "gemma-3-270m") == "ngram+eagle"
+    assert resolve_draft_spec("auto", "/models/some-llama") == "ngram"
+    assert resolve_draft_spec("ngram", "gemma-3-270m") == "ngram"
+    assert is_model_free_draft("auto")
     assert 1 <= config.DEFAULT_K <= 8
     assert (s.host, s.http_port, s.grpc_port, s.draft_port, s.target_port) == ("127.0.0.1", 8000, 50051, 50052, 50053)
     assert (s.draft_metrics_port, s.target_metrics_port) == (9052, 9053)
@@ -46,6 +52,9 @@ def test_children_talk_over_loopback_on_the_given_ports() -> None:
     assert draft.argv[draft.argv.index("--target-address") + 1] == "127.0.0.1:6001"
     # The draft knows the target's SPEC: the eagle draft reads the target's embedding and head.
     assert draft.argv[draft.argv.index("--target-model") + 1] == s.target_model
+    # The draft child gets the spec "auto" stands for, so its command line (and logs) say it.
+    expected = "ngram+eagle" if s.target_model == "gemma-3-270m" and s.draft_model == "auto" else s.draft_model
+    assert draft.argv[draft.argv.index("--draft-model") + 1] == expected
     assert gateway.argv[gateway.argv.index("--draft-address") + 1] == "127.0.0.1:6002"
     assert gateway.health_address == "127.0.0.1:6003"
     assert connect_host("10.0.0.5") == "10.0.0.5"

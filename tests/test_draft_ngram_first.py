@@ -108,6 +108,10 @@ def test_spec_resolution(llama, head, tmp_path: Path) -> None:
 def test_calibrate_asks_for_one_drafter_at_a_time(llama, head) -> None:
     with pytest.raises(CalibrateError, match="one at a time"):
         load_drafter(f"ngram+{head}", llama)
+    # "auto" means lookup alone for a target tandem ships no head for.
+    from tandem.calibrate.drafts import NgramDrafterScorer
+
+    assert isinstance(load_drafter("auto", llama), NgramDrafterScorer)
 
 
 def test_an_eagle_block_ends_where_the_head_doubts_itself(llama, head) -> None:

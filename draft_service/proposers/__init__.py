@@ -16,6 +16,7 @@ from tandem.models import (
     ModelSpecError,
     is_eagle_draft,
     ngram_first_head,
+    resolve_draft_spec,
 )
 
 if TYPE_CHECKING:
@@ -44,14 +45,15 @@ def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
 
 
 def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
-    """The proposer ``settings.draft_model`` names: ``ngram``, ``eagle`` or an eagle head directory,
-    ``ngram+eagle`` / ``ngram+HEAD_DIR`` (lookup first, the head otherwise), or a model SPEC for ``hf``.
+    """The proposer ``settings.draft_model`` names: ``auto`` (``tandem.models.resolve_draft_spec``),
+    ``ngram``, ``eagle`` or an eagle head directory, ``ngram+eagle`` / ``ngram+HEAD_DIR`` (lookup
+    first, the head otherwise), or a model SPEC for ``hf``.
 
     Takes the target's Info because a model draft must not propose ids beyond the target's
     vocabulary, and an eagle head must have been trained for this very target.
     Loading a model takes seconds: call it off the event loop.
     """
-    spec = settings.draft_model
+    spec = resolve_draft_spec(settings.draft_model, settings.target_model)
     if spec == "ngram":
         from draft_service.proposers.ngram import NgramProposer
 

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--target-model", default="gemma-3-270m",
                        help="target SPEC of the started stack and of the peer (default gemma-3-270m)")
     where.add_argument(
-        "--draft-model", default=DEFAULT_DRAFT, help=f"draft SPEC of the started stack (default {DEFAULT_DRAFT})"
+        "--draft-model", default=DEFAULT_DRAFT,
+        help=f"draft SPEC of the started stack (default {DEFAULT_DRAFT}: ngram+eagle where tandem ships an eagle head "
+        "for the target, else ngram)"
     )
     where.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                        help="K: the started stack's default and the peer's; with --url also sent per request "
@@ -171,7 +173,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem bench: using the gateway at {url} (pass --start-stack for a stack of its own)", file=sys.stderr)
     if url is None:
         from tandem.bench.stack import OwnStack, StackError
+        from tandem.models import resolve_draft_spec
 
+        args.draft_model = resolve_draft_spec(args.draft_model, args.target_model)
         own = OwnStack(args.target_model, args.draft_model, k, args.device, args.dtype)
         print(f"tandem bench: starting tandem serve ({args.target_model} + {args.draft_model}, K={k}) "
               "on free ports ...", file=sys.stderr)

@@ -137,6 +137,7 @@ def load_drafter(spec: str, target: Any) -> Drafter:
     """The scorer for a draft SPEC, checked against the loaded target (tokenizer, vocabulary)."""
     from tandem import models
 
+    spec = models.resolve_draft_spec(spec, target.name)
     if models.ngram_first_head(spec) is not None:
         raise CalibrateError(
             f"{spec!r} pairs two drafters, and calibrate scores one at a time: run it with --draft-model ngram "
