@@ -121,6 +121,6 @@ def test_the_cli_parses_bench_and_calibrate_flags() -> None:
     assert (args.peer, args.peer_assistant, args.no_progress, args.url) == ("assisted", "/d", True, "http://h:1")
     args = cli.build_parser().parse_args(["bench", "--limit", "3"])
     assert (args.limit, args.url, args.peer, args.target_model, args.draft_model) == (
-        3, None, "auto", "gemma-3-270m", "ngram")
+        3, None, "auto", "gemma-3-270m", "auto")
     args = cli.build_parser().parse_args(["calibrate", "--draft-model", "eagle", "--num-prompts", "4"])
     assert (args.draft_model, args.num_prompts, args.max_k, args.target_model) == ("eagle", 4, 8, "gemma-3-270m")
