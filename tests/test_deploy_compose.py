@@ -35,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from stack import free_port, metric_value
 from test_telemetry_otlp import OtlpReceiver
 
-from tandem.config import DEFAULT_DRAFT
+from tandem.config import DEFAULT_DRAFT, DEFAULT_K
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "compose.yaml"
@@ -80,6 +80,10 @@ def test_compose_layout(compose) -> None:
     draft_env = services["draft"]["environment"]
     assert draft_env["TANDEM_TARGET_MODEL"] == services["target"]["environment"]["TANDEM_TARGET_MODEL"]
     assert draft_env["TANDEM_DRAFT_MODEL"] == f"${{TANDEM_DRAFT_MODEL:-{DEFAULT_DRAFT}}}"
+    # K defaults to tandem's own default in every service that takes it.
+    for name in ("draft", "gateway"):
+        k = services[name]["environment"]["TANDEM_NUM_SPECULATIVE_TOKENS"]
+        assert k == f"${{TANDEM_NUM_SPECULATIVE_TOKENS:-{DEFAULT_K}}}", (name, k)
 
 
 # -- running the services as compose would -----------------------------------------------------
