@@ -29,11 +29,10 @@ import torch
 from torch import nn
 
 from tandem.cpu_linear import few_row_linear
+from tandem.models import BUILTIN_HEADS_DIR  # built-in target name -> its head's folder under tandem/data/eagle/
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "head.safetensors"
-# Built-in heads shipped in the package: target built-in name -> folder under tandem/data/eagle/.
-BUILTIN_HEADS_DIR = Path(__file__).parent / "data" / "eagle"  # = tandem.models.BUILTIN_HEADS_DIR
 # Past this many bytes of fp32 head rows (the L3 cache of a small CPU), few_row_linear beats F.linear.
 LARGE_HEAD_BYTES = 24 * 2**20
 

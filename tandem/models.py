@@ -34,7 +34,7 @@ NGRAM_FIRST_PREFIX = "ngram+"
 AUTO_DRAFT = "auto"
 # Draft specs that are names rather than model SPECs ``resolve`` could load.
 DRAFT_NAMES = (AUTO_DRAFT, *MODEL_FREE_DRAFTS, EAGLE_DRAFT, NGRAM_FIRST_PREFIX + EAGLE_DRAFT)
-# Heads shipped in the package, one folder per built-in target (= tandem.eagle.BUILTIN_HEADS_DIR).
+# Heads shipped in the package, one folder per built-in target (tandem.eagle loads them).
 BUILTIN_HEADS_DIR = Path(__file__).parent / "data" / "eagle"
 
 

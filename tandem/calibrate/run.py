@@ -94,7 +94,8 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def _head_precision(head_dir: Path, config: Any, target: Any) -> Precision:
-    """An eagle head borrows the target's own embedding and LM head, so its storage dtype says little; what matters is the precision of the target it was trained on: the
+    """An eagle head borrows the target's own embedding and LM head, so its storage dtype says
+    little; what matters is the precision of the target it was trained on: the
     ``target_precision`` its metadata records (a ``checkpoint_precision`` label), else that of the
     checkpoint its ``target_model`` names, when that is this target or a folder here."""
     recorded = config.metadata.get("target_precision")
