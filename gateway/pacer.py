@@ -2,9 +2,13 @@
 
 Speculative decoding commits 1 to K+1 tokens per round, so a raw stream stutters: a burst, a
 pause of one round, a burst. The pacer gives every token a release time spaced by the recent
-verified-token rate (the median, over the last few upstream batches, of the batch's gap divided
-by its tokens), so a round of k tokens is spread over about one round. Medians rather than means:
-one slow round (a leg boundary, a GC pause) must not stretch the cadence of the next ones.
+verified-token rate: the time the last ``rate_window`` upstream batches took over the tokens they
+brought, so a short round (1 token) and a long one (K+1) average out instead of each setting the
+cadence on its own. A rate over many rounds rather than the median of per-batch rates: replayed on
+live rounds (``benchmarks/pacer_replay.py``), the per-batch median tracks each burst, empties the
+queue after every long round and leaves a pause of a whole round before the next one; the windowed
+rate keeps a few tokens queued across short rounds. Each gap counts at most ``gap_clip`` median
+gaps, so one slow round (a leg boundary, a GC pause) does not stretch the cadence of the next ones.
 
 Guarantees, whatever the estimate says:
 
@@ -40,30 +44,43 @@ class PacerConfig:
     max_delay_rounds: float = 1.0
     # ... and in seconds, whichever is smaller.
     max_delay_s: float = 0.5
-    # Upstream batches the estimates look back over.
+    # Upstream batches the round time (the typical gap, for the bound) looks back over.
     window: int = 8
+    # Upstream batches the token rate looks back over (a longer window is smoother) ...
+    rate_window: int = 16
+    # ... each gap counted as at most this many median gaps.
+    gap_clip: float = 1.5
 
 
 class _Estimate:
-    """Medians over recent batches of the gap before a batch and of that gap per token."""
+    """The round time (median recent gap between upstream batches) and the token rate over a
+    longer window (clipped gaps summed over tokens)."""
 
-    def __init__(self, window: int) -> None:
-        self._gaps: deque[float] = deque(maxlen=window)
-        self._per_token: deque[float] = deque(maxlen=window)
+    def __init__(self, config: PacerConfig) -> None:
+        self._window = config.window
+        self._clip = config.gap_clip
+        self._batches: deque[tuple[float, int]] = deque(maxlen=max(config.window, config.rate_window))
+        self._rate_window = config.rate_window
 
     def update(self, gap_s: float, tokens: int) -> None:
-        self._gaps.append(gap_s)
-        self._per_token.append(gap_s / tokens)
+        self._batches.append((gap_s, tokens))
 
     @property
     def gap_s(self) -> float | None:
         """The round time: the typical gap between upstream batches (None before any)."""
-        return statistics.median(self._gaps) if self._gaps else None
+        if not self._batches:
+            return None
+        return statistics.median(gap for gap, _ in list(self._batches)[-self._window:])
 
     @property
     def interval_s(self) -> float:
         """Seconds between two tokens at the recent verified-token rate (0 before any estimate)."""
-        return statistics.median(self._per_token) if self._per_token else 0.0
+        round_s = self.gap_s
+        if round_s is None:
+            return 0.0
+        recent = list(self._batches)[-self._rate_window:]
+        cap = self._clip * round_s
+        return sum(min(gap, cap) for gap, _ in recent) / sum(tokens for _, tokens in recent)
 
 
 class Pacer(Generic[T]):
@@ -71,7 +88,7 @@ class Pacer(Generic[T]):
 
     def __init__(self, config: PacerConfig = PacerConfig()) -> None:
         self.config = config
-        self._estimate = _Estimate(config.window)
+        self._estimate = _Estimate(config)
         self._queue: deque[tuple[float, T]] = deque()
         self._last_arrival: float | None = None
         self._last_release = -math.inf

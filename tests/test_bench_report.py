@@ -43,6 +43,19 @@ def test_tpot_ttft_tokens_per_s_and_acceptance() -> None:
     assert s.mean_accepted_length == pytest.approx((10 + 6) / 6)
 
 
+def test_jitter_is_each_streams_own_p90_over_p50_not_the_pooled_one() -> None:
+    """Two even streams at different speeds pool to a ratio of 2 but neither stutters; a stream
+    with a pause of one round after every three quick tokens does."""
+    fast = result("json", "speculative", 11, 0.1, 0.3, [0.02] * 10)
+    slow = result("prose", "speculative", 11, 0.1, 0.5, [0.04] * 10)
+    even = summarize([fast, slow, result("prose", "speculative", 11, 0.1, 0.5, [0.02] * 10)])
+    assert even.itl_p90_s / even.itl_p50_s == pytest.approx(2.0)
+    assert even.itl_p90_over_p50_per_stream == pytest.approx(1.0)
+    bursty = summarize([result("code", "speculative", 13, 0.1, 0.5, [0.01, 0.01, 0.01, 0.04] * 3)])
+    assert bursty.itl_p90_over_p50_per_stream == pytest.approx(4.0)
+    assert summarize([result("code", "speculative", 2, 0.1, 0.2, [0.1])]).itl_p90_over_p50_per_stream is None
+
+
 def test_failed_requests_are_counted_not_measured() -> None:
     ok = result("code", "autoregressive", 4, 0.1, 0.4, [0.1] * 3)
     bad = result("code", "autoregressive", 0, 0.0, 0.0, [], error="HTTP 500")
@@ -101,7 +114,7 @@ def test_peer_speedup_and_json_schema(tmp_path) -> None:
             "speedup_by_domain", "peer", "speedup_vs_peer", "speedup_vs_peer_by_domain", "config"} <= data.keys()
     assert set(data["overall"]) == {"speculative", "autoregressive"}
     for field in ("tokens_per_s", "ttft_p50_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "tpot_s",
-                  "acceptance_rate", "mean_accepted_length"):
+                  "acceptance_rate", "mean_accepted_length", "itl_p90_over_p50_per_stream"):
         assert field in data["overall"]["speculative"]
     assert data["by_domain"]["code"]["speculative"]["tokens_per_s"] == pytest.approx(10.0)
     assert data["peer"]["assistant"] == "prompt lookup" and data["peer"]["by_domain"]["prose"]["requests"] == 1

@@ -18,6 +18,14 @@ def drain_at(pacer: Pacer, times: list[float]) -> list[tuple[float, object]]:
     return out
 
 
+def drain_until(pacer: Pacer, until: float) -> list[tuple[float, object]]:
+    """Releases collected by polling ``due`` exactly at each release time up to ``until``."""
+    out = []
+    while (due := pacer.next_release()) is not None and due <= until:
+        out += [(due, item) for item in pacer.due(due)]
+    return out
+
+
 def test_first_batch_leaves_at_once_then_rounds_are_spread_evenly():
     pacer = Pacer(PacerConfig(max_delay_s=10.0, window=1))
     pacer.push(["a"], now=0.0)  # the prefill token: no estimate yet
@@ -170,18 +178,37 @@ async def test_closing_paced_early_closes_the_source():
 def test_one_slow_round_does_not_stretch_the_cadence():
     pacer = Pacer(PacerConfig(max_delay_s=10.0, window=8))
     now = 0.0
-    for _ in range(6):  # rounds of 4 tokens every 0.1 s
+    for _ in range(6):  # rounds of 4 tokens every 0.1 s: 0.025 s per token
         pacer.push([0, 1, 2, 3], now)
-        pacer.flush()
+        drain_until(pacer, now + 0.099)
         now += 0.1
-    pacer.push([0, 1, 2, 3], now + 1.0)  # a stall: one 1.1 s gap
-    pacer.flush()
-    now += 1.1
+    now += 1.0  # a stall: one 1.1 s gap
+    pacer.push([0, 1, 2, 3], now)
+    drain_until(pacer, now + 0.099)
+    now += 0.1
     pacer.push(["a", "b", "c", "d"], now)
-    assert pacer.next_release() == pytest.approx(now)
-    assert drain_at(pacer, [now + 0.025 * i for i in range(4)]) == [
-        (pytest.approx(now + 0.025 * i), item) for i, item in enumerate("abcd")
-    ]
+    releases = [t for t, _ in drain_until(pacer, now + 1.0)]
+    assert len(releases) == 4
+    assert now <= releases[0] < now + 0.01
+    # The stall counts as a round of at most 1.5 typical gaps, not 1.1 s: the cadence stays near
+    # 0.025 s (unclipped, the 16-round rate would be 0.057 s, and one round's own rate 0.275 s).
+    spacing = (releases[-1] - releases[0]) / 3
+    assert 0.025 <= spacing < 0.03
+
+
+def test_short_and_long_rounds_average_out_into_one_cadence():
+    """Rounds of 3 and 1 tokens alternating every 0.1 s bring 2 tokens a round; within a bound of
+    one round every token can leave 0.05 s after the previous one, with no pause after the short
+    round and no bunching after the long one."""
+    pacer = Pacer(PacerConfig(max_delay_rounds=1.0, max_delay_s=10.0, window=8))
+    released = []
+    for index in range(40):
+        now = 0.1 * index
+        pacer.push(list(range(3 if index % 2 == 0 else 1)), now)
+        released += drain_until(pacer, now + 0.0999)
+    gaps = [b - a for (a, _), (b, _) in zip(released, released[1:])]
+    assert all(g == pytest.approx(0.05, abs=1e-3) for g in gaps[len(gaps) // 2:])
+    assert all(g < 0.1 - 1e-3 for g in gaps[4:])  # never a whole round without a token
 
 
 def test_a_batch_larger_than_usual_is_spread_over_the_bound_not_bunched_at_it():

@@ -3,7 +3,10 @@
 Definitions (the usual ones of vLLM's and SGLang's serving benchmarks):
 - TTFT: request sent -> first streamed text chunk.
 - ITL: the gap between consecutive streamed text chunks (a chunk may carry several tokens when a
-  speculative round commits them at once and stream smoothing is off).
+  speculative round commits them at once and stream smoothing is off). Percentiles pool the gaps
+  of all requests; ``itl_p90_over_p50_per_stream`` is the median over requests of each stream's own
+  ITL p90/p50, the stutter one reader sees (pooling mixes streams of different speeds: even
+  perfectly paced json at 15 ms a token and prose at 30 ms pool to a ratio near 2).
 - TPOT: (e2e - TTFT) / (completion tokens - 1) per request, then averaged / percentiled.
 - tokens/s: completion tokens / summed request latency, i.e. the decode speed one stream sees;
   with concurrency > 1 both modes share the load, so their ratio is still a fair speedup.
@@ -43,6 +46,7 @@ class ModeSummary:
     tpot_p90_s: float = 0.0
     tpot_p99_s: float = 0.0
     e2e_p50_s: float = 0.0
+    itl_p90_over_p50_per_stream: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -62,6 +66,14 @@ def tpot(result: RequestResult) -> float | None:
     return (result.e2e_s - result.ttft_s) / (result.completion_tokens - 1)
 
 
+def itl_ratio(gaps: Sequence[float]) -> float | None:
+    """ITL p90 / p50 of one stream; None under 3 gaps or with a zero median."""
+    if len(gaps) < 3:
+        return None
+    p50 = percentile(gaps, 0.5)
+    return percentile(gaps, 0.9) / p50 if p50 > 0 else None
+
+
 def summarize(results: Sequence[RequestResult]) -> ModeSummary:
     failed = sum(1 for r in results if r.error)
     ok = [r for r in results if not r.error]
@@ -70,6 +82,7 @@ def summarize(results: Sequence[RequestResult]) -> ModeSummary:
     ttfts = [r.ttft_s for r in ok]
     gaps = [g for r in ok for g in r.chunk_gaps_s]
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
+    stream_ratios = [x for x in (itl_ratio(r.chunk_gaps_s) for r in ok) if x is not None]
     rounds = sum(r.rounds for r in ok)
     drafted = sum(r.draft_tokens for r in ok)
     accepted = sum(r.accepted_tokens for r in ok)
@@ -93,6 +106,7 @@ def summarize(results: Sequence[RequestResult]) -> ModeSummary:
         tpot_p90_s=percentile(tpots, 0.9),
         tpot_p99_s=percentile(tpots, 0.99),
         e2e_p50_s=percentile([r.e2e_s for r in ok], 0.5),
+        itl_p90_over_p50_per_stream=statistics.median(stream_ratios) if stream_ratios else None,
     )
 
 

@@ -115,13 +115,14 @@ def _row(domain: str, mode: str, s: ModeSummary) -> str:
     return (
         f"{domain:<8} {mode:<15} {s.requests:>4} {s.tokens_per_s:>7.2f} {s.ttft_p50_s * 1e3:>7.0f}ms "
         f"{s.itl_p50_s * 1e3:>6.0f}ms {s.itl_p90_s * 1e3:>6.0f}ms {s.itl_p99_s * 1e3:>6.0f}ms "
+        f"{_fmt(s.itl_p90_over_p50_per_stream, '.2f'):>7} "
         f"{s.tpot_s * 1e3:>5.0f}ms {_fmt(s.acceptance_rate, '.2f'):>7} {_fmt(s.mean_accepted_length, '.2f'):>8}"
     )
 
 
 def format_report(report: Report) -> str:
     head = (f"{'domain':<8} {'mode':<15} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p90':>8} "
-            f"{'ITL p99':>8} {'TPOT':>7} {'accept':>7} {'mean len':>8}")
+            f"{'ITL p99':>8} {'jitter':>7} {'TPOT':>7} {'accept':>7} {'mean len':>8}")
     lines = [head, "-" * len(head)]
     for domain, per_mode in [("all", report.overall), *report.by_domain.items()]:
         for mode, summary in per_mode.items():
@@ -130,6 +131,7 @@ def format_report(report: Report) -> str:
             peer_summary = report.peer.overall if domain == "all" else report.peer.by_domain.get(domain)
             if peer_summary is not None:
                 lines.append(_row(domain, "peer (HF)", peer_summary))
+    lines.append("jitter: median over requests of each stream's ITL p90/p50 (the ITL columns pool all requests)")
     lines.append(f"speedup (speculative / autoregressive tokens/s): {report.speedup:.2f}x")
     per_domain = ", ".join(f"{d} {_fmt(v, '.2f')}x" for d, v in report.speedup_by_domain.items())
     if per_domain:
