@@ -266,3 +266,16 @@ def test_uniforms_are_never_zero_and_exponentials_positive() -> None:
     u = draw_uniforms((200_000,), generator)
     e = draw_exponentials((200_000,), generator)
     assert bool((u > 0).all() and (u <= 1).all() and (e > 0).all())
+
+
+def test_a_batch_mixing_greedy_and_sampled_rows_keeps_each_rows_rule() -> None:
+    """All-greedy batches take a shortcut (no p over the vocabulary); mixed ones must not."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 33, generator=generator)
+    temps = torch.tensor([0.0, 1.0])
+    top_ps, top_ks = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    exponentials = draw_exponentials((2, 33), generator)
+    tokens = sample_tokens(logits, temps, top_ps, top_ks, exponentials)
+    assert int(tokens[0]) == int(logits[0].argmax())
+    probs = target_probs(logits[1:, None], temps[1:], top_ps[1:], top_ks[1:])[:, 0]
+    assert int(tokens[1]) == int(exponential_race(probs, exponentials[1:])[0])

@@ -96,9 +96,14 @@ def sample_tokens(
     exponentials: torch.Tensor,  # [batch, vocab] float, Exp(1) draws (ignored for greedy rows)
 ) -> torch.Tensor:  # [batch] int64
     """One autoregressive step: a token from p (the argmax for greedy requests)."""
+    greedy = is_greedy(temperature)  # [batch]
+    if bool(greedy.all()):
+        # Nothing to sample: skip building p over the whole vocabulary (a softmax and a top-p sort
+        # of 262k entries cost a CPU decoding step about 1 ms, 3% of gemma-3-270m's step).
+        return logits.argmax(dim=-1)  # [batch]
     probs = target_probs(logits[:, None, :], temperature, top_p, top_k)[:, 0]  # [batch, vocab]
     sampled = exponential_race(probs, exponentials)  # [batch]
-    return torch.where(is_greedy(temperature), logits.argmax(dim=-1), sampled)  # [batch]
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)  # [batch]
 
 
 def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
