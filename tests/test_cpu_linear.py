@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.cpu_linear import MAX_ROWS, few_row_linear, install_cpu_linears
+from tandem import cpu_linear
+from tandem.cpu_linear import K_SLICE, MAX_ROWS, few_row_linear, install_cpu_linears, split_inner
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, MAX_ROWS, MAX_ROWS + 1, 40])
@@ -20,6 +21,32 @@ def test_matches_f_linear(rows: int, bias: bool) -> None:
     assert got.shape == (1, rows, 300)
     assert got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
+def test_products_over_inner_slices_match_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(40, 2 * K_SLICE + 100, generator=gen)  # [out, in]: three slices, the last short
+    b = torch.randn(40, generator=gen)
+    slices = split_inner(weight)
+    assert [piece.shape for piece in slices] == [(40, K_SLICE), (40, K_SLICE), (40, 100)]
+    assert all(piece.is_contiguous() for piece in slices)
+    x = torch.randn(rows, weight.shape[1], generator=gen)  # [rows, in]
+    torch.testing.assert_close(few_row_linear(x, weight, b, slices), F.linear(x, weight, b), rtol=1e-4, atol=1e-3)
+
+
+def test_long_inner_weights_get_split_copies_within_the_budget(monkeypatch) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2 * K_SLICE, 8), torch.nn.Linear(8, 2 * K_SLICE),
+                                torch.nn.Linear(2 * K_SLICE, 8))
+    one = 8 * 2 * K_SLICE * 4  # bytes of one [8, 2048] float32 weight
+    monkeypatch.setattr(cpu_linear, "MAX_SPLIT_BYTES", one)
+    assert install_cpu_linears(model, "cpu") == 3
+    assert len(model[0].few_row_slices) == 2  # split
+    assert not hasattr(model[1], "few_row_slices")  # a short inner dimension needs none
+    assert not hasattr(model[2], "few_row_slices")  # over the budget
+    x = torch.randn(4, 2 * K_SLICE)
+    with torch.inference_mode():
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-4, atol=1e-3)
 
 
 def test_keeps_leading_dimensions_and_handles_a_vector() -> None:
