@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -206,7 +207,7 @@ def test_short_and_long_rounds_average_out_into_one_cadence():
         now = 0.1 * index
         pacer.push(list(range(3 if index % 2 == 0 else 1)), now)
         released += drain_until(pacer, now + 0.0999)
-    gaps = [b - a for (a, _), (b, _) in zip(released, released[1:])]
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(released)]
     assert all(g == pytest.approx(0.05, abs=1e-3) for g in gaps[len(gaps) // 2:])
     assert all(g < 0.1 - 1e-3 for g in gaps[4:])  # never a whole round without a token
 
