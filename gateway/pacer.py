@@ -10,6 +10,14 @@ queue after every long round and leaves a pause of a whole round before the next
 rate keeps a few tokens queued across short rounds. Each gap counts at most ``gap_clip`` median
 gaps, so one slow round (a leg boundary, a GC pause) does not stretch the cadence of the next ones.
 
+Measured by replay (the median over requests of each stream's ITL p90/p50, bound one round, four
+recordings of 24 to 48 prompts): 2.0 for the per-batch median, 1.67 to 1.80 for a 16-round rate.
+A 32-round window or pacing 10% slower than the rate gained 0.05 to 0.15 more, at the price of
+slower adaptation when a session switches legs and of jitter (1.10) on perfectly even streams, so
+neither is used. A bound of two rounds gives 1.41 to 1.52. The smoothest schedule within one
+round (least squared gaps), computed offline knowing every arrival, gets 1.50 to 1.88 on the same
+recordings: at that bound the arrivals themselves, not the estimator, keep the ratio near 1.6.
+
 Guarantees, whatever the estimate says:
 
 * order: tokens leave in the order they arrived (one FIFO queue, release times never decrease);
