@@ -172,7 +172,8 @@ class FakeTargetService(target_pb2_grpc.TargetServiceServicer):
         self.requests: list[target_pb2.VerifyRequest] = []
         self.released: list[str] = []
         self.verify_delay_s = 0.0
-        self.streams_cancelled = 0
+        self.streams_opened = 0
+        self.streams_open = 0  # Verify handlers still running
 
     async def Info(self, request, context):
         return target_pb2.TargetServiceInfoResponse(
@@ -184,6 +185,8 @@ class FakeTargetService(target_pb2_grpc.TargetServiceServicer):
         )
 
     async def Verify(self, request_iterator, context) -> AsyncIterator[target_pb2.VerifyResponse]:
+        self.streams_opened += 1
+        self.streams_open += 1
         try:
             async for request in request_iterator:
                 self.requests.append(request)
@@ -203,11 +206,11 @@ class FakeTargetService(target_pb2_grpc.TargetServiceServicer):
                     committed_len=verdict.committed_len,
                     finish_reason=_FINISH_TO_WIRE[verdict.finish_reason],
                 )
-        except (asyncio.CancelledError, GeneratorExit):
-            # CancelledError when the cancel lands inside the handler; GeneratorExit when it lands
-            # while the handler is suspended at a yield (grpc then closes the generator).
-            self.streams_cancelled += 1
-            raise
+        finally:
+            # However the stream ends: the caller half-closes it, cancels it (CancelledError inside
+            # the handler, GeneratorExit at a yield), or its session was released under a block in
+            # flight (NOT_FOUND).
+            self.streams_open -= 1
 
     async def Release(self, request, context):
         self.released.append(request.session_id)
