@@ -13,6 +13,40 @@ from tiny import make_tiny_model  # noqa: E402  (tests/ is on sys.path via this 
 os.environ.setdefault("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem"))
 
 
+def _import_triton_interpreted() -> None:
+    """Without CUDA the kernel tests run under Triton's interpreter, which Triton picks when a
+    function is decorated: for ``triton.language``'s own helpers (``tl.sum``, ``tl.cumsum``, ...)
+    at Triton's first import, for the kernels at theirs. transformers may import Triton with some
+    models, so whichever test module came first used to decide, and the kernel tests failed after
+    some others ("Cannot call @triton.jit'd outside of the scope of a kernel"). So Triton and the
+    kernels are imported here, before any test module, with TRITON_INTERPRET=1 set only around
+    the import (other tests see the environment they had)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+
+        import kernels.compact_kv
+        import kernels.sampling
+        import kernels.tree
+        import kernels.tree_attention
+        import kernels.verify  # noqa: F401
+    except ImportError:  # no Triton here: the kernel tests say so themselves
+        pass
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+_import_triton_interpreted()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A tiny Llama target (seed 0)."""

@@ -49,6 +49,20 @@ def test_long_inner_weights_get_split_copies_within_the_budget(monkeypatch) -> N
         torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+def test_a_strided_result_holds_the_same_values(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(300, 48, generator=gen), torch.randn(300, generator=gen)
+    x = torch.randn(1, rows, 48, generator=gen)  # [batch, rows, in]
+    got = few_row_linear(x, weight, contiguous=False)  # [1, rows, out]
+    assert got.shape == (1, rows, 300)
+    assert got.is_contiguous() == (rows > 4)  # one chunk comes back as the product's transposed view
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, few_row_linear(x, weight))
+    torch.testing.assert_close(few_row_linear(x, weight, b, contiguous=False), F.linear(x, weight, b),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_keeps_leading_dimensions_and_handles_a_vector() -> None:
     weight = torch.randn(10, 6)
     x = torch.randn(2, 3, 6)  # [a, b, in]: 6 rows in all
@@ -90,3 +104,5 @@ def test_installed_by_the_model_loader(tiny_dir) -> None:
     loaded = load_model(str(tiny_dir), device="cpu", dtype="float32")
     head = loaded.model.get_output_embeddings()
     assert "forward" in vars(head)  # the instance's own forward, not nn.Linear's
+    assert head.few_row_contiguous is False
+    assert all(m.few_row_contiguous for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
