@@ -15,7 +15,7 @@ from tandem.models import DEFAULT_TARGET
 # for a target tandem ships a head for; prompt lookup alone (ngram) for any other target
 # (tandem.models.resolve_draft_spec). On the default pair, 24 bench prompts, one run each: 1.74x of
 # autoregressive decoding and 1.07x of transformers' assisted generation, against 1.63x and 0.97x
-# for ngram alone (1.78x and 1.04x since 3- and 4-token passes got cheaper, and the peer with them).
+# for ngram alone (1.81x and 1.05x since 3- and 4-token passes got cheaper, and the peer with them).
 DEFAULT_DRAFT = "auto"
 # On a 2-core CPU a gemma-3-270m pass over 1 to 4 tokens costs about the same (35 to 39 ms: the
 # weights are read once, tandem.cpu_linear), 5 to 8 tokens cost two reads (66 to 70 ms). So K=3 (blocks
