@@ -20,7 +20,8 @@ Four-column products over a long inner dimension fall off that path: gemma's MLP
 output projection costs the same for both (one row panel of four columns past 16 KB, it seems,
 leaves the L1 cache). Such weights also keep a copy cut along the inner dimension into contiguous
 [out, 1024] slices, and four-column products sum the slices' products: 0.14 ms again, so a forward
-pass over three or four tokens falls from 42-43 to 38-39 ms (one or two tokens: 35-37 ms, unchanged).
+pass over three or four tokens falls from 41-45 to 37-40 ms (one or two tokens: 35-37 ms, unchanged;
+measured interleaved in one process).
 The copy costs the weight's size once more (94 MB for gemma-3-270m), so it is made only up to
 ``MAX_SPLIT_BYTES`` per model, and it is taken when installed: weights changed later (in place,
 outside autograd) need ``install_cpu_linears`` again.
