@@ -11,7 +11,8 @@ milliseconds and is exact, so pacer variants can be compared on the same rounds.
 ``record`` streams each bench prompt through ``tandem.v1.GatewayService/Generate`` with smoothing
 off (greedy, speculation on), so every chunk is one upstream round: its arrival time and token count
 are written, one JSON line per request. ``replay`` re-times each request with the pacer and reports
-token-level ITL p50/p90, their ratio (pooled over all requests, as ``tandem bench`` pools them) and
+token-level ITL p50/p90, their ratio (pooled over all requests, as ``tandem bench`` pools them, with
+bench's percentile and per-stream definitions) and
 the mean extra delay per token, next to the raw (unpaced) figures.
 """
 
@@ -27,11 +28,7 @@ import time
 from pathlib import Path
 
 from gateway.pacer import Pacer, PacerConfig
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+from tandem.bench.metrics import itl_ratio, percentile
 
 
 async def _record(grpc_address: str, prompts_path: Path, max_tokens: int, out: Path) -> None:
@@ -94,20 +91,16 @@ def _raw_releases(rounds: list[tuple[float, int]]) -> list[float]:
     return [arrival for arrival, _ in rounds]
 
 
-def _ratio(gaps: list[float]) -> float:
-    p50 = _pct(gaps, 0.5)
-    return _pct(gaps, 0.9) / p50 if p50 > 0 else float("inf")
-
-
 def _report(name: str, per_request: list[list[float]], delays: list[float]) -> str:
     """Pooled ITL (as ``tandem bench`` pools it) and the median over requests of each stream's own
     p90/p50: pooling mixes streams of different speeds (json at 15 ms a token, prose at 30), so
     only the per-stream ratio measures the stutter one reader sees."""
     gaps = [g for request in per_request for g in request]
-    p50, p90 = _pct(gaps, 0.5), _pct(gaps, 0.9)
-    within = statistics.median(_ratio(g) for g in per_request if g)
+    p50, p90 = percentile(gaps, 0.5), percentile(gaps, 0.9)
+    ratios = [r for r in (itl_ratio(request) for request in per_request) if r is not None]
+    within = statistics.median(ratios) if ratios else float("nan")
     delay = f" mean extra delay {1000 * statistics.fmean(delays):6.1f} ms" if delays else ""
-    return (f"{name:<28} ITL p50 {1000 * p50:6.1f} ms  p90 {1000 * p90:6.1f} ms  p90/p50 {_ratio(gaps):5.2f}"
+    return (f"{name:<28} ITL p50 {1000 * p50:6.1f} ms  p90 {1000 * p90:6.1f} ms  p90/p50 {p90 / p50:5.2f}"
             f"  within a stream {within:5.2f}{delay}")
 
 
