@@ -4,7 +4,10 @@ Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
 servers commonly do, but OpenAI features tandem does not implement (log-probabilities, penalties,
-``echo``, ``suffix``, ``best_of``) are refused explicitly rather than silently ignored.
+logit bias, ``echo``, ``suffix``, ``best_of``; on chat, JSON mode and structured output, and tool
+calling) are refused explicitly rather than silently ignored: a client that asks for JSON or a tool
+call and gets free text back has lost what it asked for. Their neutral values (``{"type":
+"text"}``, ``tool_choice: "none"``, an empty bias) are accepted, since some frontends always send them.
 
 Response models mirror OpenAI's objects; the usage object adds ``speculative_decoding``.
 """
@@ -59,6 +62,7 @@ class _GenerationBody(_StrictBody):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # tandem extensions (values checked in gateway.validation, shared with gRPC)
     speculation: str | None = Field(None, description='"auto" (default), "on" or "off"')
     num_speculative_tokens: int | None = Field(None, description="draft length K for this request (1..64)")
@@ -76,6 +80,8 @@ class _GenerationBody(_StrictBody):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported by this server; leave it unset or empty", param="logit_bias")
         return RequestFields(
             model=self.model,
             max_tokens=max_tokens,
@@ -96,16 +102,35 @@ class _GenerationBody(_StrictBody):
         )
 
 
+class ResponseFormat(_StrictBody):
+    type: str
+
+
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessageIn]
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    # "none", "auto", "required", or {"type": "function", "function": {...}}.
+    tool_choice: str | dict | None = None
 
     def to_fields(self) -> RequestFields:
         if self.logprobs or self.top_logprobs:
             raise InvalidRequest("logprobs are not supported by this server", param="logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest(
+                f"response_format {self.response_format.type!r} is not supported by this server (no JSON mode or "
+                'structured output); leave it unset or {"type": "text"}',
+                param="response_format",
+            )
+        if self.tools and self.tool_choice != "none":
+            raise InvalidRequest(
+                'tool calling is not supported by this server; leave tools unset or send tool_choice "none"',
+                param="tools",
+            )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._common_fields(max_tokens)
         fields.messages = [m.to_message() for m in self.messages]

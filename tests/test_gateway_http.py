@@ -175,6 +175,8 @@ BAD_HTTP = [
     ("top_k -1", {"prompt": "hi", "top_k": -1}, "top_k"),
     ("ignore_eos not a bool", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("logprobs unsupported", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("logit_bias unsupported", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("logit_bias wrong type", {"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
 ]
 BAD_CHAT = [
     ("missing messages", {"max_tokens": 4}, "messages"),
@@ -183,6 +185,13 @@ BAD_CHAT = [
     ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("max_completion_tokens 0", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_tokens"),
+    ("JSON mode unsupported", {"messages": [{"role": "user", "content": "hi"}],
+                               "response_format": {"type": "json_object"}}, "response_format"),
+    ("structured output unsupported", {"messages": [{"role": "user", "content": "hi"}],
+                                       "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("tool calling unsupported", {"messages": [{"role": "user", "content": "hi"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ]
 
 
@@ -207,6 +216,18 @@ async def test_bad_input_table_gets_400_openai_errors_and_service_goes_on(stack)
         ok = await post(stack, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
         assert ok.status_code == 200, (name, ok.text)
     assert stack.metric("tandem_requests_total", status="invalid") == len(BAD_HTTP) + len(BAD_CHAT)
+    await stack.wait_until_idle()
+
+
+async def test_neutral_values_of_unsupported_features_are_accepted(stack):
+    """Frontends that always send a plain-text response_format, tools with tool_choice "none" or an
+    empty logit_bias get an ordinary answer."""
+    body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "text"}, "logit_bias": {},
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
+    response = await post(stack, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
     await stack.wait_until_idle()
 
 
