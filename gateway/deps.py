@@ -46,8 +46,11 @@ class SessionTuning:
     smoothing: Smoothing = Smoothing.OFF  # the default of requests that do not say
     pacer: PacerConfig = PacerConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
-    # A Speculate stream silent for this long counts as a stalled draft.
+    # A Speculate stream silent for this long counts as a stalled draft, unless the silence is
+    # explained by a busy target (GenerationDeps.draft_silence_explained) ...
     draft_stall_timeout_s: float = 5.0
+    # ... for at most this many times as long.
+    draft_stall_cap_factor: float = 12.0
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> SessionTuning:
@@ -76,6 +79,23 @@ class GenerationDeps:
     step_timer: StepTimer = field(default_factory=StepTimer)
     # Sessions in progress (the saturation rule of the policy counts them).
     active_sessions: int = 0
+    # When any Speculate stream last delivered a message (time.monotonic), and the Prefill calls
+    # in flight: what tells a draft waiting behind a busy target from a stalled one.
+    last_draft_message: float = -float("inf")
+    prefills_in_flight: int = 0
 
     def can_speculate(self) -> bool:
         return self.draft_ready() and self.breaker.allows_speculation
+
+    def draft_silence_explained(self, now: float) -> bool:
+        """Whether a silent Speculate stream is waiting behind other work at the target rather
+        than on a stalled draft.
+
+        The target runs one pass at a time, so one session's round waits behind a pass of every
+        other session and behind any prefill: with 150 sessions at 40 ms a pass, 6 s of silence
+        from a healthy draft. Calling that a stall would open the breaker, blame the draft in the
+        logs and move each session to a fresh target session (one more prefill each) just when the
+        target is busiest. So the silence is explained while the draft keeps delivering rounds to
+        other sessions, or while a prefill runs; a stalled draft delivers nothing to anyone.
+        """
+        return now - self.last_draft_message < self.tuning.draft_stall_timeout_s or self.prefills_in_flight > 0

@@ -263,9 +263,16 @@ class Generation:
     async def _speculative_leg(self, leg: Leg) -> AsyncIterator[Batch]:
         assert self._controller is not None
         stream = self._stream = self._deps.draft.speculate(self._speculate_request(leg.max_new_tokens))
-        deadline = self._deps.tuning.draft_stall_timeout_s
+        deps = self._deps
+        deadline = deps.tuning.draft_stall_timeout_s
+        cap = deadline * deps.tuning.draft_stall_cap_factor
+
+        def keep_waiting(waited_s: float) -> bool:
+            return waited_s < cap and deps.draft_silence_explained(time.monotonic())
+
         try:
-            async for message, seconds in timed(stream, time.monotonic, deadline):
+            async for message, seconds in timed(stream, time.monotonic, deadline, keep_waiting):
+                deps.last_draft_message = time.monotonic()
                 self._deps.breaker.record_success()
                 if message.token_ids:
                     self._controller.observe_round(
@@ -322,14 +329,17 @@ class Generation:
         return Batch([prefill.token_id], prefill.finish_reason, prefill.committed_len, Mode.AUTOREGRESSIVE)
 
     async def _prefill_session(self, token_ids: tuple[int, ...]) -> target_pb2.PrefillResponse:
-        return await self._deps.target.prefill(
-            target_pb2.PrefillRequest(
-                session_id=self.session_id,
-                prompt_token_ids=token_ids,
-                params=self._session_params(),
-                tokenizer_fingerprint=self._deps.model.fingerprint,
-            )
+        request = target_pb2.PrefillRequest(
+            session_id=self.session_id,
+            prompt_token_ids=token_ids,
+            params=self._session_params(),
+            tokenizer_fingerprint=self._deps.model.fingerprint,
         )
+        self._deps.prefills_in_flight += 1  # a long prefill holds up every draft's next round
+        try:
+            return await self._deps.target.prefill(request)
+        finally:
+            self._deps.prefills_in_flight -= 1
 
     def _session_params(self) -> common_pb2.SessionParams:
         sampling = self.request.sampling

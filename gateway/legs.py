@@ -60,20 +60,21 @@ def classify_draft_error(error: GatewayError) -> DraftLegFailed:
 
 
 async def timed(
-    stream: UpstreamStream[M], clock: Callable[[], float], deadline_s: float | None = None
+    stream: UpstreamStream[M],
+    clock: Callable[[], float],
+    deadline_s: float | None = None,
+    keep_waiting: Callable[[float], bool] = lambda waited_s: False,
 ) -> AsyncIterator[tuple[M, float | None]]:
     """Messages of ``stream`` with the seconds since the previous one (None for the first, whose
     wait includes the call's set-up). With ``deadline_s``, a wait longer than that raises
-    :class:`TimeoutError` (the stream is left to the caller to cancel)."""
+    :class:`TimeoutError` (the stream is left to the caller to cancel), unless
+    ``keep_waiting(seconds waited so far)`` says to give it another ``deadline_s``."""
     iterator: Any = aiter(stream)
     last: float | None = None
     try:
         while True:
             try:
-                if deadline_s is None:
-                    message = await anext(iterator)
-                else:
-                    message = await asyncio.wait_for(anext(iterator), deadline_s)
+                message = await (anext(iterator) if deadline_s is None else _patient(iterator, deadline_s, keep_waiting))
             except StopAsyncIteration:
                 return
             now = clock()
@@ -83,3 +84,21 @@ async def timed(
         close = getattr(iterator, "aclose", None)
         if close is not None:
             await close()
+
+
+async def _patient(iterator: Any, deadline_s: float, keep_waiting: Callable[[float], bool]) -> Any:
+    """The next message; TimeoutError once a wait of ``deadline_s`` ends with ``keep_waiting`` False."""
+    pending = asyncio.ensure_future(anext(iterator))
+    waited = 0.0
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=deadline_s)
+            if done:
+                return pending.result()
+            waited += deadline_s
+            if not keep_waiting(waited):
+                raise TimeoutError
+    finally:
+        if not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)

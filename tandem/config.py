@@ -136,7 +136,12 @@ class GatewaySettings(_Base):
     fallback_max_sessions: int = Field(
         64, ge=0, description="decode autoregressively beyond this many sessions (0 = never)"
     )
-    draft_stall_timeout_s: float = Field(5.0, gt=0.0, description="a draft silent this long is treated as down")
+    draft_stall_timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        description="a draft silent this long is treated as down, unless it keeps serving other sessions or a "
+        "prefill holds up the target (then up to 12 times as long)",
+    )
     draft_breaker_cooldown_s: float = Field(2.0, ge=0.0, description="seconds an open draft breaker waits to probe")
     draft_breaker_failures: int = Field(3, ge=1, description="failed Speculate calls in a row that open the breaker")
 

@@ -99,7 +99,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Release(self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
-        released = await self._call(context, engine.release, request.session_id)
+        # Ahead of the queued passes: under load they are seconds of work, and a release stuck
+        # behind them times out and leaves the session's cache held until its TTL.
+        released = await self._call(context, engine.release, request.session_id, urgent=True)
         return target_pb2.ReleaseResponse(released=released)
 
     async def _require_engine(self, context: grpc.aio.ServicerContext) -> TargetEngine:
@@ -107,10 +109,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the target model is still loading")
         return self.engine
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
-        """Runs an engine call on the worker; a refusal becomes its gRPC status, a bug INTERNAL."""
+    async def _call(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, urgent: bool = False
+    ) -> T:
+        """Runs an engine call on the worker (``urgent``: ahead of the queued calls); a refusal
+        becomes its gRPC status, a bug INTERNAL."""
         try:
-            return await self.worker.run(fn, *args)
+            return await (self.worker.run_soon if urgent else self.worker.run)(fn, *args)
         except TargetError as error:
             code, message = _STATUS_CODES.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error)
         except Exception as error:  # a bug, not bad input: report it and keep serving

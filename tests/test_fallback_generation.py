@@ -4,6 +4,7 @@ lose a verdict, stalls, the breaker, and smoothing that changes nothing but timi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -84,11 +85,12 @@ class ScriptedDraft(InMemoryDraft):
     """Commits one token per round with ``accepted`` of K accepted; ``lose_after`` rounds in, it
     commits a round in the target and dies before forwarding it (the verdict is lost)."""
 
-    def __init__(self, model, accepted=0, lose_after=None, stall_after=None):
+    def __init__(self, model, accepted=0, lose_after=None, stall_after=None, pause=None):
         super().__init__(model)
         self.accepted = accepted
         self.lose_after = lose_after
         self.stall_after = stall_after
+        self.pause = pause  # (after this many tokens, seconds): one silence, as behind a busy target
         self.requests: list[draft_pb2.SpeculateRequest] = []
 
     def speculate(self, request):
@@ -102,6 +104,9 @@ class ScriptedDraft(InMemoryDraft):
             await asyncio.sleep(0)
             if self.stall_after is not None and len(self.model.sessions) and sent >= self.stall_after:
                 await asyncio.Event().wait()
+            if self.pause is not None and sent >= self.pause[0]:
+                await asyncio.sleep(self.pause[1])
+                self.pause = None
             tokens, session = self.model.commit(request.session_id, 1 + self.accepted)
             if self.lose_after is not None and sent >= self.lose_after:
                 raise UpstreamUnavailable("the draft service (in memory) died")
@@ -162,6 +167,54 @@ async def test_a_stalled_draft_is_abandoned_after_the_deadline(tokenizer, model)
     assert finished.usage.speculative_decoding.fallbacks == 1
     assert draft.streams[-1].cancelled  # the stalled call was abandoned
     assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == 1
+
+
+async def _keep_draft_busy(deps):
+    """Stands for other sessions whose rounds the draft keeps delivering."""
+    while True:
+        deps.last_draft_message = time.monotonic()
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("busy", ["other sessions' rounds", "a prefill in flight"])
+async def test_a_draft_waiting_behind_a_busy_target_is_not_a_stalled_draft(tokenizer, model, busy):
+    """A silence four times the deadline, while the draft serves other sessions or the target runs
+    a prefill, keeps the session speculating: no fallback, the breaker stays closed."""
+    draft = ScriptedDraft(model, accepted=K, pause=(4, 0.2))
+    deps = make_deps(tokenizer, model, draft, stall_s=0.05)
+    helper = asyncio.ensure_future(_keep_draft_busy(deps)) if busy == "other sessions' rounds" else None
+    deps.prefills_in_flight = 1 if helper is None else 0
+    try:
+        text, tokens, finished, _ = await run(deps, make_request(tokenizer))
+    finally:
+        if helper is not None:
+            helper.cancel()
+    assert text == SCRIPT_TEXT and tokens == model.expected_tokens(1000)
+    assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == 0
+    assert deps.breaker.state is BreakerState.CLOSED
+
+
+async def test_the_same_silence_with_nothing_else_going_on_is_a_stall(tokenizer, model):
+    draft = ScriptedDraft(model, accepted=K, pause=(4, 0.2))
+    deps = make_deps(tokenizer, model, draft, stall_s=0.05)
+    _, tokens, _, _ = await run(deps, make_request(tokenizer))
+    assert tokens == model.expected_tokens(1000)
+    assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == 1
+    assert deps.breaker.state is BreakerState.OPEN
+
+
+async def test_a_draft_stalled_for_one_session_is_abandoned_at_the_cap_however_busy(tokenizer, model):
+    draft = ScriptedDraft(model, accepted=1, stall_after=4)
+    deps = make_deps(tokenizer, model, draft, stall_s=0.02)  # cap: 12 x 0.02 s
+    helper = asyncio.ensure_future(_keep_draft_busy(deps))
+    try:
+        started = time.monotonic()
+        _, tokens, finished, _ = await run(deps, make_request(tokenizer))
+    finally:
+        helper.cancel()
+    assert tokens == model.expected_tokens(1000)
+    assert finished.usage.speculative_decoding.fallbacks == 1 and draft.streams[-1].cancelled
+    assert time.monotonic() - started >= 12 * 0.02
 
 
 async def test_the_open_breaker_starts_new_sessions_in_fallback_until_the_draft_recovers(tokenizer, model):
