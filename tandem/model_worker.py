@@ -63,7 +63,7 @@ class ModelWorker:
             call, future, loop = self._urgent.popleft()
             try:
                 outcome: tuple[str, Any] = ("result", call())
-            except Exception as error:  # handed to the caller, like run()'s errors
+            except Exception as error:  # noqa: BLE001 (handed to the caller, like run()'s errors)
                 outcome = ("exception", error)
             try:
                 loop.call_soon_threadsafe(_settle, future, *outcome)
