@@ -62,6 +62,12 @@ class TargetSettings(_Base):
     session_ttl_s: float = Field(600.0, description="idle seconds before a session is dropped")
     max_sessions: int = Field(256, description="sessions held at once; more are refused")
     max_context_len: int = Field(0, description="tokens per session (0 = the model's limit)")
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=0,
+        description="prompt tokens per prefill pass; other sessions decode between the chunks of a long prompt "
+        "(0 = the whole prompt in one pass)",
+    )
 
 
 class DraftSettings(_Base):

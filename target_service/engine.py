@@ -8,6 +8,13 @@ and a stale block is answered without touching anything.
 
 Not thread-safe: the server calls the engine from one dedicated worker thread, which also
 serialises the forward passes.
+
+A long prompt is prefilled in chunks of ``prefill_chunk_tokens`` (:class:`PrefillJob`), one worker
+call per chunk, so the passes of the sessions already decoding run between the chunks instead of
+all waiting for the whole prompt (gemma-3-270m on 2 CPU cores: 37 s for 8192 tokens in one pass).
+It is also faster on its own: each chunk's attention covers a [chunk, context] block rather than
+[prompt, prompt] (8192 tokens: 26 s in chunks of 512), and the logits are the same (chunks of 512
+give bitwise the same next-token logits for a 1500-token prompt; other sizes differ by ~1e-5).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +55,20 @@ STOP = common_pb2.FINISH_REASON_STOP
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 
+@dataclass
+class PrefillJob:
+    """A prompt being prefilled chunk by chunk; its session joins the store with the last chunk."""
+
+    session: Session
+    chunk_tokens: int  # prompt tokens per pass (0 = the whole prompt)
+    done: int = 0  # prompt tokens already in the session's cache
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden_size] each, when asked for
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.session.tokens
+
+
 class TargetEngine:
     """Owns the target model and every session's committed tokens and KV cache."""
 
@@ -57,9 +79,13 @@ class TargetEngine:
         session_ttl_s: float = 600.0,
         max_sessions: int = 256,
         max_context_len: int = 0,
+        prefill_chunk_tokens: int = 512,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.model = loaded.model
         self.device = loaded.device
         # On CUDA the model's attention becomes the Triton tree-attention kernel (a chain by default).
@@ -93,6 +119,7 @@ class TargetEngine:
             session_ttl_s=settings.session_ttl_s,
             max_sessions=settings.max_sessions,
             max_context_len=settings.max_context_len,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
             metrics=metrics,
         )
 
@@ -105,27 +132,56 @@ class TargetEngine:
         config: SessionConfig,
         tokenizer_fingerprint: str = "",
     ) -> PrefillResult:
-        """Creates the session, fills its KV cache with the prompt and picks the first token."""
+        """Creates the session, fills its KV cache with the prompt and picks the first token (in one
+        call; the server runs :meth:`begin_prefill` and :meth:`prefill_chunk` as separate calls)."""
+        job = self.begin_prefill(session_id, prompt_token_ids, config, tokenizer_fingerprint)
+        while (result := self.prefill_chunk(job)) is None:
+            pass
+        return result
+
+    def begin_prefill(
+        self,
+        session_id: str,
+        prompt_token_ids: Sequence[int],
+        config: SessionConfig,
+        tokenizer_fingerprint: str = "",
+    ) -> PrefillJob:
+        """Checks a prefill request and sets up its session (not yet in the store); no forward pass."""
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
         self.store.check_can_add(session_id)
-        prompt = list(prompt_token_ids)
         session = Session(
             session_id=session_id,
             config=config,
-            prompt_len=len(prompt),
-            tokens=prompt,
+            prompt_len=len(prompt_token_ids),
+            tokens=list(prompt_token_ids),
             cache=kv_cache.new_cache(),
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
         )
-        # [1, vocab], [prompt, hidden]
-        logits, hidden = self._forward(session, prompt, last_only=True, want_hidden=config.return_hidden_states)
+        return PrefillJob(session, self.prefill_chunk_tokens)
+
+    def prefill_chunk(self, job: PrefillJob) -> PrefillResult | None:
+        """Runs the job's next chunk; after the last one the session joins the store (checked again:
+        another session may have taken the id or the last slot meanwhile) and the result comes back."""
+        session, prompt = job.session, job.prompt
+        size = job.chunk_tokens or len(prompt)
+        chunk = prompt[job.done : job.done + size]
+        last = job.done + len(chunk) == len(prompt)
+        want_hidden = session.config.return_hidden_states
+        # [1, vocab], [chunk, hidden]
+        logits, hidden = self._forward(session, chunk, last_only=True, want_hidden=want_hidden)
+        job.done += len(chunk)
+        if hidden is not None:
+            job.hidden.append(hidden)
+        if not last:
+            return None
         first = self._sample(session, logits)
-        committed, reason = self._cut(session, [first])
         self.store.add(session)
+        committed, reason = self._cut(session, [first])
         self._commit(session, committed, reason)
-        return PrefillResult(first, session.committed_len, reason, hidden)
+        hidden_states = torch.cat(job.hidden) if want_hidden else None  # [prompt, hidden_size]
+        return PrefillResult(first, session.committed_len, reason, hidden_states)
 
     def verify(self, block: DraftBlock) -> Verdict:
         """Verifies one draft block against the session and commits the verdict's tokens."""

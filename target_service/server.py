@@ -61,10 +61,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
         config = convert.session_config(request.params, request.return_hidden_states)
-        result = await self._call(
-            context, engine.prefill, request.session_id, list(request.prompt_token_ids), config,
+        job = await self._call(
+            context, engine.begin_prefill, request.session_id, list(request.prompt_token_ids), config,
             request.tokenizer_fingerprint,
         )
+        # One worker call per chunk: the other sessions' passes queued meanwhile run in between.
+        while (result := await self._call(context, engine.prefill_chunk, job)) is None:
+            pass
         return convert.prefill_response(result)
 
     async def Verify(

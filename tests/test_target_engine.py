@@ -14,7 +14,7 @@ from tandem.models import load_model
 from tandem.v1 import common_pb2
 from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
 from target_service.engine import TargetEngine
-from target_service.errors import InvalidArgument, SessionNotFound, TokenizerMismatch
+from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TokenizerMismatch
 from target_service.session import SessionConfig
 
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -122,6 +122,53 @@ def test_greedy_verify_equals_transformers_generate(target, draft_model, drafter
     assert first.token_id == reference[0] and first.committed_len == PROMPT_LEN + 1
     assert speculate(engine, "s", drafter, k=4) == reference
     assert engine.store.get("s").finish_reason == LENGTH
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, PROMPT_LEN, 0])
+def test_chunked_prefill_equals_one_pass_and_transformers(target, chunk) -> None:
+    """Chunks of any size (across the tiny Gemma's sliding window of 8, and one token at a time)
+    give the same first token, prompt hidden states and greedy continuation as one pass."""
+    prompt = _prompt(3)
+    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    whole = TargetEngine(target, prefill_chunk_tokens=0).prefill("s", prompt, greedy(return_hidden_states=True))
+    engine = TargetEngine(target, prefill_chunk_tokens=chunk)
+    first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
+    assert (first.token_id, first.committed_len) == (reference[0], PROMPT_LEN + 1)
+    torch.testing.assert_close(first.hidden_states, whole.hidden_states, atol=1e-4, rtol=1e-4)
+    assert engine.store.get("s").cache.get_seq_length() == PROMPT_LEN  # the engine's invariant
+    assert speculate(engine, "s", random_drafter(4), k=3) == reference
+
+
+def test_a_prefill_in_chunks_lets_other_sessions_decode_in_between(llama) -> None:
+    """Each chunk is its own call; the session is not in the store (nor counted) until the last."""
+    engine = TargetEngine(llama, prefill_chunk_tokens=6)
+    other = _prompt(5)
+    reference = hf_greedy(llama.model, other, 6)
+    engine.prefill("other", other, greedy(6))
+    job = engine.begin_prefill("long", _prompt(6), greedy())
+    results, generated = [], []
+    while not results or results[-1] is None:
+        results.append(engine.prefill_chunk(job))
+        if results[-1] is None:
+            assert engine.store.live == 1
+            with pytest.raises(SessionNotFound):
+                engine.store.get("long")
+        if not engine.store.get("other").finished:
+            generated += engine.generate("other", 1).token_ids
+    assert len(results) == 4  # 20 prompt tokens in chunks of 6
+    assert [reference[0], *generated] == reference[: 1 + len(generated)] and len(generated) == 4
+    assert engine.store.live == 2 and engine.store.get("long").committed_len == PROMPT_LEN + 1
+
+
+def test_a_session_id_taken_while_a_prefill_ran_is_refused_at_its_end(llama) -> None:
+    engine = TargetEngine(llama, prefill_chunk_tokens=8)
+    job = engine.begin_prefill("s", _prompt(7), greedy())
+    assert engine.prefill_chunk(job) is None
+    engine.prefill("s", _prompt(8), greedy())
+    with pytest.raises(SessionExists):
+        while engine.prefill_chunk(job) is None:
+            pass
+    assert engine.store.live == 1
 
 
 def test_oracle_blocks_are_fully_accepted(llama) -> None:

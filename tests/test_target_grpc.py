@@ -28,6 +28,7 @@ from tandem.models import load_model
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 from target_service.main import start_target
+from target_service.session import SessionConfig
 
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 31, 64, 11, 200, 150]
 
@@ -317,6 +318,52 @@ async def test_bad_block_is_refused_and_service_goes_on(stub, fields, code) -> N
     assert error.value.code() == code and error.value.details()
     ok = await verify_all(stub, [target_pb2.VerifyRequest(session_id=sid, base_len=len(PROMPT) + 1, draft_token_ids=[1])])
     assert ok[0].status == target_pb2.VERDICT_STATUS_OK  # the session was not touched by the bad block
+
+
+async def test_a_long_prefill_runs_in_chunks_between_other_sessions_steps(loaded) -> None:
+    """Prefill over gRPC is one worker call per chunk, so a session that is decoding keeps getting
+    steps while a long prompt is prefilled, and the prefill's answer is that of one pass."""
+    engine = TargetEngine(loaded, prefill_chunk_tokens=2)
+    calls: list[str] = []
+
+    def recorded(name):  # each call takes 5 ms, as a pass of a real model would take longer
+        method = getattr(engine, name)
+
+        def call(*args):
+            calls.append(name)
+            time.sleep(0.005)
+            return method(*args)
+
+        return call
+
+    for name in ("prefill_chunk", "generate"):
+        setattr(engine, name, recorded(name))
+    running = await start_target(engine)
+    long_prompt = [(7 * i) % 290 + 5 for i in range(40)]
+    try:
+        async with insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            decoding = new_id()
+            await stub.Prefill(prefill_request(decoding, max_new_tokens=64))
+            calls.clear()
+            stream = stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=decoding, max_new_tokens=40))
+            steps = asyncio.ensure_future(_collect(stream))
+            await asyncio.sleep(0.02)  # the stream is stepping
+            request = prefill_request(new_id(), max_new_tokens=8)
+            request.prompt_token_ids[:] = long_prompt
+            answer = await stub.Prefill(request)
+            await steps
+    finally:
+        await running.stop()
+    chunks = [i for i, name in enumerate(calls) if name == "prefill_chunk"]
+    assert len(chunks) == 20
+    assert "generate" in calls[chunks[0] : chunks[-1]]  # steps ran while the prompt was prefilled
+    one_pass = TargetEngine(loaded, prefill_chunk_tokens=0).prefill("x", long_prompt, SessionConfig(max_new_tokens=8))
+    assert (answer.token_id, answer.committed_len) == (one_pass.token_id, 41)
+
+
+async def _collect(stream) -> list:
+    return [message async for message in stream]
 
 
 async def test_bad_generate_and_release(stub) -> None:
