@@ -68,6 +68,12 @@ class TargetSettings(_Base):
         description="prompt tokens per prefill pass; other sessions decode between the chunks of a long prompt "
         "(0 = the whole prompt in one pass)",
     )
+    kv_cache_memory_gb: float = Field(
+        0.0,
+        ge=0.0,
+        description="memory the sessions' KV caches may take; each session reserves room for its prompt and "
+        "max_new_tokens, and sessions past the budget are refused (0 = half the memory free once the model is loaded)",
+    )
 
 
 class DraftSettings(_Base):

@@ -45,7 +45,14 @@ from target_service.api import (
     Verdict,
 )
 from target_service.errors import InvalidArgument, TokenizerMismatch
-from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
+from target_service.session import (
+    SamplingTensors,
+    Session,
+    SessionConfig,
+    SessionStore,
+    kv_tokens,
+    make_generator,
+)
 from target_service.validation import check_block, check_prefill
 from target_service.verifier import select_verifier
 
@@ -80,9 +87,11 @@ class TargetEngine:
         max_sessions: int = 256,
         max_context_len: int = 0,
         prefill_chunk_tokens: int = 512,
+        kv_cache_bytes: int = 0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``kv_cache_bytes``: the memory the sessions' caches may reserve (0 = no budget)."""
         if prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -107,15 +116,27 @@ class TargetEngine:
             verifier_backend=self.verifier.backend,
         )
         self._eos = frozenset(self.info.eos_token_ids)
-        self.store = SessionStore(session_ttl_s, max_sessions, clock, on_live_change=self._report_live)
+        per_position = kv_cache.bytes_per_position(text_config, next(self.model.parameters()).dtype)
+        budget_tokens = kv_cache_bytes // per_position
+        if kv_cache_bytes:
+            log.info("KV cache budget: %.2f GB, %d positions at %d KB each", kv_cache_bytes / 2**30, budget_tokens,
+                     per_position // 1024)
+        self.store = SessionStore(
+            session_ttl_s, max_sessions, clock, on_live_change=self._report_live, kv_budget_tokens=budget_tokens
+        )
         self._report_live(0)
 
     @classmethod
     def from_settings(cls, settings: TargetSettings, metrics: Metrics | None = None) -> TargetEngine:
         """Loads ``settings.target_model`` (HF directory, .gguf or built-in name)."""
         loaded = load_model(settings.target_model, settings.device, settings.dtype, settings.served_model_name)
+        if settings.kv_cache_memory_gb > 0:
+            kv_cache_bytes = int(settings.kv_cache_memory_gb * 2**30)
+        else:
+            kv_cache_bytes = int(kv_cache.AUTO_BUDGET_FRACTION * kv_cache.free_memory_bytes(loaded.device))
         return cls(
             loaded,
+            kv_cache_bytes=kv_cache_bytes,
             session_ttl_s=settings.session_ttl_s,
             max_sessions=settings.max_sessions,
             max_context_len=settings.max_context_len,
@@ -149,7 +170,7 @@ class TargetEngine:
         """Checks a prefill request and sets up its session (not yet in the store); no forward pass."""
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
-        self.store.check_can_add(session_id)
+        self.store.check_can_add(session_id, kv_tokens(len(prompt_token_ids), config))
         session = Session(
             session_id=session_id,
             config=config,

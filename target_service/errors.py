@@ -21,7 +21,8 @@ class SessionExists(TargetError):
 
 
 class TooManySessions(TargetError):
-    """``max_sessions`` live sessions are held already (gRPC RESOURCE_EXHAUSTED)."""
+    """``max_sessions`` live sessions are held already, or their KV cache reservations fill the
+    budget (gRPC RESOURCE_EXHAUSTED)."""
 
 
 class TokenizerMismatch(TargetError):

@@ -15,7 +15,14 @@ memory: sliding layers keep keys outside their window.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import torch
 from transformers import DynamicCache
+
+# Share of the memory free after the model loaded that the KV caches may take by default.
+AUTO_BUDGET_FRACTION = 0.5
 
 
 def new_cache() -> DynamicCache:
@@ -38,3 +45,31 @@ def truncate(cache: DynamicCache, length: int) -> None:
         raise ValueError(f"cannot truncate a KV cache of {held} positions to {length}")
     if length < held:
         cache.crop(length - held)
+
+
+def bytes_per_position(text_config, dtype: torch.dtype) -> int:
+    """Bytes one position takes in a session's cache: keys and values of every layer (all layers
+    keep full history here, sliding-window ones included)."""
+    layers = int(text_config.num_hidden_layers)
+    heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return layers * 2 * heads * int(head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory free now on the device: CUDA's free memory, or the host's MemAvailable, capped by
+    the container's cgroup limit (inside a container /proc/meminfo shows the whole host)."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            free = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return free if limit == "max" else min(free, max(0, int(limit) - used))

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from target_service.api import NOT_FINISHED
-from target_service.errors import SessionExists, SessionNotFound, TooManySessions
+from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,20 @@ def make_generator(seed: int | None, device: str) -> torch.Generator:
     return generator
 
 
+def kv_tokens(prompt_len: int, config: SessionConfig) -> int:
+    """The most positions a session's KV cache can come to hold: its prompt and every token it may generate."""
+    return prompt_len + config.max_new_tokens
+
+
 class SessionStore:
-    """Sessions by id, with a cap on live sessions and expiry after ``ttl_s`` idle seconds.
+    """Sessions by id, with a cap on live sessions, a KV cache budget and expiry after ``ttl_s``
+    idle seconds.
+
+    The budget (``kv_budget_tokens``, 0 = none) is counted in cache positions: each live session
+    reserves :func:`kv_tokens` of them when it is added and gives them back when it finishes or
+    goes. Reserving the most a session can use, as TGI does with ``max_total_tokens``, means sessions
+    admitted can always run to their end: the alternative, running out of memory half-way, kills
+    the process and every session with it.
 
     ``on_live_change(n)`` is called with the number of live (unfinished) sessions whenever it
     changes; the engine feeds it to the ``tandem_sessions_active`` gauge.
@@ -106,13 +118,16 @@ class SessionStore:
         max_live: int,
         clock: Callable[[], float] = time.monotonic,
         on_live_change: Callable[[int], None] = lambda live: None,
+        kv_budget_tokens: int = 0,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_live = max_live
         self.clock = clock
+        self.kv_budget_tokens = kv_budget_tokens
         self._on_live_change = on_live_change
         self._sessions: dict[str, Session] = {}
         self._live = 0
+        self._reserved = 0  # KV positions reserved by live sessions
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -121,18 +136,36 @@ class SessionStore:
     def live(self) -> int:
         return self._live
 
-    def check_can_add(self, session_id: str) -> None:
-        """Raises unless a new session of this id may be created (call before costly work)."""
+    @property
+    def reserved_kv_tokens(self) -> int:
+        return self._reserved
+
+    def check_can_add(self, session_id: str, kv_tokens: int = 0) -> None:
+        """Raises unless a new session of this id, reserving ``kv_tokens`` cache positions, may be
+        created (call before costly work)."""
         self.expire_idle()
         if session_id in self._sessions:
             raise SessionExists(f"session {session_id!r} already exists")
         if self._live >= self.max_live:
             raise TooManySessions(f"the target holds {self._live} sessions already (max_sessions={self.max_live})")
+        budget = self.kv_budget_tokens
+        if budget and kv_tokens > budget:
+            raise InvalidArgument(
+                f"the prompt and max_new_tokens need up to {kv_tokens} positions of KV cache, more than the target's "
+                f"whole budget of {budget}; ask for fewer tokens"
+            )
+        if budget and self._reserved + kv_tokens > budget:
+            raise TooManySessions(
+                f"the target's KV cache budget is taken: {self._reserved} of {budget} positions are reserved by "
+                f"{self._live} sessions, this one needs {kv_tokens}; retry when sessions have finished"
+            )
 
     def add(self, session: Session) -> None:
-        self.check_can_add(session.session_id)
+        reserve = kv_tokens(session.prompt_len, session.config)
+        self.check_can_add(session.session_id, reserve)
         session.last_used = self.clock()
         self._sessions[session.session_id] = session
+        self._reserved += reserve
         self._set_live(self._live + 1)
 
     def get(self, session_id: str) -> Session:
@@ -152,6 +185,7 @@ class SessionStore:
             return
         session.finish_reason = reason
         session.cache = None
+        self._reserved -= kv_tokens(session.prompt_len, session.config)
         self._set_live(self._live - 1)
 
     def release(self, session_id: str) -> bool:
@@ -176,6 +210,7 @@ class SessionStore:
     def _drop(self, session: Session) -> None:
         del self._sessions[session.session_id]
         if not session.finished:
+            self._reserved -= kv_tokens(session.prompt_len, session.config)
             self._set_live(self._live - 1)
         session.cache = None
 

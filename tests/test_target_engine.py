@@ -12,9 +12,10 @@ import torch
 from tandem.metrics import make_metrics
 from tandem.models import load_model
 from tandem.v1 import common_pb2
+from target_service import kv_cache
 from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
 from target_service.engine import TargetEngine
-from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TokenizerMismatch
+from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TokenizerMismatch, TooManySessions
 from target_service.session import SessionConfig
 
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
@@ -169,6 +170,24 @@ def test_a_session_id_taken_while_a_prefill_ran_is_refused_at_its_end(llama) -> 
         while engine.prefill_chunk(job) is None:
             pass
     assert engine.store.live == 1
+
+
+def test_kv_budget_in_positions_matches_what_a_cache_really_holds(target) -> None:
+    """The budget's bytes per position are what a session's cache takes (full history on every
+    layer, the tiny Gemma's sliding layers included), and prefills past the budget are refused."""
+    per_position = kv_cache.bytes_per_position(target.model.config.get_text_config(), torch.float32)
+    engine = TargetEngine(target, kv_cache_bytes=per_position * (2 * (PROMPT_LEN + NEW_TOKENS) + 5))
+    engine.prefill("a", _prompt(20), greedy())
+    cache = engine.store.get("a").cache
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == per_position * PROMPT_LEN
+    engine.prefill("b", _prompt(21), greedy())
+    with pytest.raises(TooManySessions, match="KV cache budget"):
+        engine.prefill("c", _prompt(22), greedy())
+    with pytest.raises(InvalidArgument, match="whole budget"):
+        engine.prefill("huge", _prompt(23), greedy(2000))
+    engine.release("a")
+    assert engine.prefill("c", _prompt(22), greedy()).committed_len == PROMPT_LEN + 1
 
 
 def test_oracle_blocks_are_fully_accepted(llama) -> None:

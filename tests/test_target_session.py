@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.v1 import common_pb2
-from target_service.errors import SessionExists, SessionNotFound, TooManySessions
+from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
 
 
@@ -95,3 +95,34 @@ def test_seeded_generators_repeat() -> None:
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
     fresh = [torch.rand(3, generator=make_generator(None, "cpu")) for _ in range(2)]
     assert not torch.equal(*fresh)
+
+
+def test_kv_budget_reserves_prompt_and_max_new_tokens_until_finish_release_or_expiry(clock) -> None:
+    # _session: a prompt of 2 and max_new_tokens 4 reserve 6 positions
+    store = SessionStore(ttl_s=10.0, max_live=10, clock=clock, kv_budget_tokens=13)
+    store.add(_session("a"))
+    store.add(_session("b"))
+    assert store.reserved_kv_tokens == 12
+    with pytest.raises(TooManySessions, match="KV cache budget"):
+        store.add(_session("c"))
+    store.finish(store.get("a"), common_pb2.FINISH_REASON_LENGTH)  # its cache is gone
+    store.add(_session("c"))
+    store.release("b")
+    store.release("a")  # finished already: gives back nothing twice
+    assert store.reserved_kv_tokens == 6
+    clock.now += 11  # c expires
+    store.add(_session("d"))
+    assert store.reserved_kv_tokens == 6 and store.live == 1
+
+
+def test_a_session_larger_than_the_whole_kv_budget_is_invalid_not_busy(clock) -> None:
+    store = SessionStore(ttl_s=10.0, max_live=10, clock=clock, kv_budget_tokens=5)
+    with pytest.raises(InvalidArgument, match="more than the target's whole budget"):
+        store.add(_session("a"))
+    assert store.reserved_kv_tokens == 0 and store.live == 0
+
+
+def test_free_memory_is_a_positive_byte_count_on_this_host() -> None:
+    from target_service.kv_cache import free_memory_bytes
+
+    assert 2**26 < free_memory_bytes("cpu") < 2**50
