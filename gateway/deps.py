@@ -79,9 +79,11 @@ class GenerationDeps:
     step_timer: StepTimer = field(default_factory=StepTimer)
     # Sessions in progress (the saturation rule of the policy counts them).
     active_sessions: int = 0
-    # When any Speculate stream last delivered a message (time.monotonic), and the Prefill calls
-    # in flight: what tells a draft waiting behind a busy target from a stalled one.
+    # When any Speculate stream last delivered a message and a Prefill last finished
+    # (time.monotonic), and the Prefill calls in flight: what tells a draft waiting behind a busy
+    # target from a stalled one.
     last_draft_message: float = -float("inf")
+    last_prefill_done: float = -float("inf")
     prefills_in_flight: int = 0
 
     def can_speculate(self) -> bool:
@@ -96,6 +98,8 @@ class GenerationDeps:
         from a healthy draft. Calling that a stall would open the breaker, blame the draft in the
         logs and move each session to a fresh target session (one more prefill each) just when the
         target is busiest. So the silence is explained while the draft keeps delivering rounds to
-        other sessions, or while a prefill runs; a stalled draft delivers nothing to anyone.
+        other sessions, or while prefills run (and for a deadline after the last one: the rounds
+        queued behind them come next); a stalled draft delivers nothing to anyone.
         """
-        return now - self.last_draft_message < self.tuning.draft_stall_timeout_s or self.prefills_in_flight > 0
+        last_progress = max(self.last_draft_message, self.last_prefill_done)
+        return self.prefills_in_flight > 0 or now - last_progress < self.tuning.draft_stall_timeout_s

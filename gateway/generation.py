@@ -234,6 +234,8 @@ class Generation:
                         yield batch
             except DraftLegFailed as failed:
                 if self.request.speculation is not Speculation.AUTO or not failed.recoverable:
+                    log.warning("session %s: the draft %s (%s); not recovered (speculation %r)", self.session_id,
+                                failed.failure.value, failed.error.message, self.request.speculation.value)
                     raise failed.error from failed
                 self._deps.breaker.record_failure(failed.failure)
                 log.warning("session %s: the draft %s (%s); continuing with the target's Generate",
@@ -340,6 +342,7 @@ class Generation:
             return await self._deps.target.prefill(request)
         finally:
             self._deps.prefills_in_flight -= 1
+            self._deps.last_prefill_done = time.monotonic()
 
     def _session_params(self) -> common_pb2.SessionParams:
         sampling = self.request.sampling

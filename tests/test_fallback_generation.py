@@ -194,6 +194,17 @@ async def test_a_draft_waiting_behind_a_busy_target_is_not_a_stalled_draft(token
     assert deps.breaker.state is BreakerState.CLOSED
 
 
+def test_silence_is_explained_by_recent_rounds_or_prefills_only(tokenizer, model) -> None:
+    deps = make_deps(tokenizer, model, ScriptedDraft(model), stall_s=5.0)
+    assert not deps.draft_silence_explained(100.0)
+    deps.last_draft_message = 96.0
+    assert deps.draft_silence_explained(100.0) and not deps.draft_silence_explained(101.0)
+    deps.prefills_in_flight = 1
+    assert deps.draft_silence_explained(1000.0)
+    deps.prefills_in_flight, deps.last_prefill_done = 0, 998.0  # the rounds queued behind it come next
+    assert deps.draft_silence_explained(1000.0) and not deps.draft_silence_explained(1003.0)
+
+
 async def test_the_same_silence_with_nothing_else_going_on_is_a_stall(tokenizer, model):
     draft = ScriptedDraft(model, accepted=K, pause=(4, 0.2))
     deps = make_deps(tokenizer, model, draft, stall_s=0.05)
