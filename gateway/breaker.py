@@ -64,6 +64,9 @@ class DraftBreaker:
         self._cooldown_s = config.cooldown_s
         # Opened by a failed health probe, no session having seen the draft fail since.
         self._opened_by_probe = False
+        # Whether a health probe ever found the draft serving (before that, at start-up, a draft
+        # that is not serving yet is still loading, not an outage worth a warning).
+        self._seen_serving = False
 
     @property
     def allows_speculation(self) -> bool:
@@ -93,17 +96,21 @@ class DraftBreaker:
         """The result of a health probe of the draft (the monitor's periodic check)."""
         if not serving:
             if self.state is not BreakerState.OPEN:
-                self._open("the draft's health check failed")
+                self._open("the draft's health check failed", quiet=not self._seen_serving)
                 self._opened_by_probe = True
             else:
                 self._opened_at = self._clock()  # still down: the cooldown restarts
             return
+        self._seen_serving = True
         cooled = self._opened_by_probe or self._clock() - self._opened_at >= self._cooldown_s
         if self.state is BreakerState.OPEN and cooled:
             log.info("draft service answers its health check again: new sessions may speculate (half-open)")
             self.state = BreakerState.HALF_OPEN
 
-    def _open(self, why: str) -> None:
-        log.warning("draft circuit breaker open (%s): new sessions decode autoregressively", why)
+    def _open(self, why: str, quiet: bool = False) -> None:
+        if quiet:
+            log.info("the draft service is not serving yet: new sessions decode autoregressively until it is")
+        else:
+            log.warning("draft circuit breaker open (%s): new sessions decode autoregressively", why)
         self.state = BreakerState.OPEN
         self._opened_at = self._clock()

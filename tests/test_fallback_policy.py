@@ -3,6 +3,8 @@ draft's circuit breaker, as plain objects with fake clocks."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from gateway.adaptive import AdaptiveConfig, Leg, Round, SessionController, StepTimer
@@ -264,6 +266,19 @@ def test_a_draft_that_was_only_seen_down_by_health_probes_is_tried_as_soon_as_it
     assert breaker.state is BreakerState.OPEN
     breaker.probe(True)
     assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_a_draft_still_loading_at_start_is_no_warning_but_a_draft_going_down_later_is(caplog):
+    breaker = DraftBreaker(BreakerConfig(cooldown_s=0.0), Clock())
+    with caplog.at_level(logging.INFO, logger="gateway.breaker"):
+        breaker.probe(False)
+        assert [r.levelno for r in caplog.records] == [logging.INFO] and "not serving yet" in caplog.text
+        breaker.probe(True)
+        breaker.record_success()
+        caplog.clear()
+        breaker.probe(False)
+    assert breaker.state is BreakerState.OPEN
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "health check failed" in caplog.text
 
 
 def test_a_failure_while_half_open_reopens_with_a_longer_cooldown():
