@@ -80,7 +80,9 @@ class UpstreamMonitor:
             await asyncio.gather(self._check_target(), self._check_draft())
             ready = self.ready
             if ready != self._last_ready:
-                log.log(logging.INFO if ready else logging.WARNING, "upstreams %s: target %s; draft %s",
+                # Not ready before the first ready (upstreams still loading) is expected: info.
+                level = logging.INFO if ready or self._last_ready is None else logging.WARNING
+                log.log(level, "upstreams %s: target %s; draft %s",
                         "ready" if ready else "not ready", self.target.detail, self.draft.detail)
                 self._last_ready = ready
                 if self.on_readiness_change is not None:
