@@ -143,9 +143,15 @@ async def _generate(
         raise
     span.opened(generation.request, generation.session_id)
     try:
-        # Prefill before answering, so a failing upstream still gets a proper error status.
+        # Prefill before answering, so a failing upstream still gets a proper error status; a
+        # client that leaves meanwhile cancels it (a long prompt's prefill is seconds of target time).
         with span.active():
-            await generation.start()
+            await cancel_on_disconnect(request.receive, generation.start())
+    except ClientDisconnected:
+        with span.active():
+            await generation.aclose()
+        span.end(generation.usage)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException as exc:
         with span.active():
             await generation.aclose()

@@ -64,6 +64,8 @@ class ScriptedModel:
         self.rpcs: list[tuple[str, str]] = []  # (rpc name, session id)
         self.speculate_requests: list[draft_pb2.SpeculateRequest] = []
         self.cancelled_speculations: list[str] = []
+        self.prefill_delay = 0.0  # seconds each Prefill takes (a long prompt)
+        self.cancelled_prefills: list[str] = []
 
     def expected_tokens(self, n: int, ignore_eos: bool = False) -> list[int]:
         """The first n tokens any session produces (fewer when EOS ends it first)."""
@@ -170,6 +172,12 @@ class FakeTargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request, context):
         if request.tokenizer_fingerprint != self.model.fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "tokenizer fingerprint mismatch")
+        if self.model.prefill_delay:
+            try:
+                await asyncio.sleep(self.model.prefill_delay)
+            except asyncio.CancelledError:
+                self.model.cancelled_prefills.append(request.session_id)
+                raise
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)
         return target_pb2.PrefillResponse(
             token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish

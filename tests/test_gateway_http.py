@@ -261,6 +261,24 @@ async def test_client_disconnect_mid_stream_releases_the_session(tokenizer, tiny
         assert len(stack.model.speculate_requests) == 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_during_the_prefill_cancels_it(tokenizer, tiny_dir, stream):
+    """A long prompt's prefill is seconds of target time: a client that leaves cancels it."""
+    async with fake_stack(tokenizer, str(tiny_dir)) as stack:
+        stack.model.prefill_delay = 30.0
+        body = {"prompt": "Go", "max_tokens": 10, "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            await post(stack, "/v1/completions", body, timeout=0.3)
+        for _ in range(100):
+            if stack.model.cancelled_prefills:
+                break
+            await asyncio.sleep(0.05)
+        assert len(stack.model.cancelled_prefills) == 1 and not stack.model.sessions
+        stack.model.prefill_delay = 0.0
+        assert (await post(stack, "/v1/completions", {"prompt": "Go", "max_tokens": 2})).status_code == 200
+        await stack.wait_until_idle()
+
+
 async def test_client_disconnect_during_a_non_stream_request_releases_the_session(tokenizer, tiny_dir):
     async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.02) as stack:
         with pytest.raises(httpx.ReadTimeout):
