@@ -117,7 +117,7 @@ class TargetEngine:
         )
         self._eos = frozenset(self.info.eos_token_ids)
         per_position = kv_cache.bytes_per_position(text_config, next(self.model.parameters()).dtype)
-        budget_tokens = kv_cache_bytes // per_position
+        budget_tokens = max(1, kv_cache_bytes // per_position) if kv_cache_bytes else 0  # 0: no budget
         if kv_cache_bytes:
             log.info("KV cache budget: %.2f GB, %d positions at %d KB each", kv_cache_bytes / 2**30, budget_tokens,
                      per_position // 1024)
