@@ -81,7 +81,9 @@ class _GenerationBody(_StrictBody):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
         if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported by this server; leave it unset or empty", param="logit_bias")
+            raise InvalidRequest(
+                "logit_bias is not supported by this server; leave it unset or empty", param="logit_bias"
+            )
         return RequestFields(
             model=self.model,
             max_tokens=max_tokens,

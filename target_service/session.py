@@ -140,8 +140,8 @@ class SessionStore:
     def reserved_kv_tokens(self) -> int:
         return self._reserved
 
-    def check_can_add(self, session_id: str, kv_tokens: int = 0) -> None:
-        """Raises unless a new session of this id, reserving ``kv_tokens`` cache positions, may be
+    def check_can_add(self, session_id: str, positions: int = 0) -> None:
+        """Raises unless a new session of this id, reserving ``positions`` cache positions, may be
         created (call before costly work)."""
         self.expire_idle()
         if session_id in self._sessions:
@@ -149,15 +149,15 @@ class SessionStore:
         if self._live >= self.max_live:
             raise TooManySessions(f"the target holds {self._live} sessions already (max_sessions={self.max_live})")
         budget = self.kv_budget_tokens
-        if budget and kv_tokens > budget:
+        if budget and positions > budget:
             raise InvalidArgument(
-                f"the prompt and max_new_tokens need up to {kv_tokens} positions of KV cache, more than the target's "
+                f"the prompt and max_new_tokens need up to {positions} positions of KV cache, more than the target's "
                 f"whole budget of {budget}; ask for fewer tokens"
             )
-        if budget and self._reserved + kv_tokens > budget:
+        if budget and self._reserved + positions > budget:
             raise TooManySessions(
                 f"the target's KV cache budget is taken: {self._reserved} of {budget} positions are reserved by "
-                f"{self._live} sessions, this one needs {kv_tokens}; retry when sessions have finished"
+                f"{self._live} sessions, this one needs {positions}; retry when sessions have finished"
             )
 
     def add(self, session: Session) -> None:
