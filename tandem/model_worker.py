@@ -17,7 +17,7 @@ import asyncio
 import functools
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -26,8 +26,8 @@ T = TypeVar("T")
 class ModelWorker:
     def __init__(self, name: str = "model") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        # (call, its future, the future's loop): run before the next queued call starts.
-        self._urgent: deque[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        # (call, its future): run before the next queued call starts.
+        self._urgent: deque[tuple[Callable[[], Any], Future]] = deque()
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Runs ``fn(*args)`` on the model thread and waits for it without blocking the loop."""
@@ -37,11 +37,10 @@ class ModelWorker:
     async def run_soon(self, fn: Callable[..., T], *args: object) -> T:
         """Runs ``fn(*args)`` on the model thread ahead of the queued calls (right after the call in
         progress, if any) and waits for it. For quick bookkeeping only: it delays every queued call."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._urgent.append((functools.partial(fn, *args), future, loop))
+        future: Future = Future()
+        self._urgent.append((functools.partial(fn, *args), future))
         self._executor.submit(self._drain_urgent)  # in case nothing else is queued
-        return await future
+        return await asyncio.wrap_future(future)
 
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         """Queues ``fn(*args)`` behind the work already queued, without waiting (for cleanup
@@ -58,23 +57,16 @@ class ModelWorker:
         return call()
 
     def _drain_urgent(self) -> None:
-        """Runs the urgent calls waiting, on the model thread, handing each result to its loop."""
+        """Runs the urgent calls waiting, on the model thread; each result goes to its future."""
         while self._urgent:
-            call, future, loop = self._urgent.popleft()
+            call, future = self._urgent.popleft()
+            # A caller that gave up (a Release past its deadline) still has its call run.
+            waited_for = future.set_running_or_notify_cancel()
             try:
-                outcome: tuple[str, Any] = ("result", call())
+                result = call()
             except Exception as error:  # noqa: BLE001 (handed to the caller, like run()'s errors)
-                outcome = ("exception", error)
-            try:
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-            except RuntimeError:  # the caller's loop is closed: nobody is waiting
-                pass
-
-
-def _settle(future: asyncio.Future, kind: str, value: Any) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if kind == "result":
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+                if waited_for:
+                    future.set_exception(error)
+                continue
+            if waited_for:
+                future.set_result(result)
