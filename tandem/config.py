@@ -68,6 +68,12 @@ class TargetSettings(_Base):
         description="prompt tokens per prefill pass; other sessions decode between the chunks of a long prompt "
         "(0 = the whole prompt in one pass)",
     )
+    max_batched_tokens: int = Field(
+        16,
+        ge=1,
+        description="most tokens one forward pass takes from the verify blocks and decode steps of sessions waiting "
+        "together (1 = one session per pass)",
+    )
     kv_cache_memory_gb: float = Field(
         0.0,
         ge=0.0,

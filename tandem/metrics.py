@@ -23,6 +23,7 @@ class Metrics:
     num_accepted_tokens_per_pos: Counter
     acceptance_rate: Gauge
     verify_duration: Histogram
+    pass_sessions: Histogram
     time_to_first_token: Histogram
     inter_token_latency: Histogram
     e2e_request_latency: Histogram
@@ -61,6 +62,12 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
         ),
         verify_duration=Histogram(
             "tandem_verify_duration_seconds", "Time to verify one draft block", buckets=_LATENCY_BUCKETS, registry=reg
+        ),
+        pass_sessions=Histogram(
+            "tandem_target_pass_sessions",
+            "Sessions whose verify blocks or decode steps shared one target forward pass",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=reg,
         ),
         time_to_first_token=Histogram(
             "tandem_time_to_first_token_seconds", "Request start to first token", buckets=_LATENCY_BUCKETS, registry=reg

@@ -32,7 +32,7 @@ from tandem.config import TargetSettings
 from tandem.metrics import Metrics
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.v1 import common_pb2
-from target_service import kv_cache
+from target_service import kv_cache, ragged
 from target_service.api import (
     FINISHED,
     NOT_FINISHED,
@@ -76,6 +76,25 @@ class PrefillJob:
         return self.session.tokens
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One autoregressive step of a session (a ``Generate`` stream asks for them one at a time)."""
+
+    session_id: str
+    # Asked after the pass, before the token is committed: True = the caller went away.
+    cancelled: Callable[[], bool] = lambda: False
+
+
+@dataclass
+class _Step:
+    """A session's rows in a forward pass, and what to do with their outputs."""
+
+    session: Session
+    token_ids: list[int]  # fed after the session's cache: its last committed token, then any drafts
+    want_hidden: bool
+    finish: Callable[[torch.Tensor, torch.Tensor | None, float], Verdict | GenerateResult]
+
+
 class TargetEngine:
     """Owns the target model and every session's committed tokens and KV cache."""
 
@@ -87,6 +106,7 @@ class TargetEngine:
         max_sessions: int = 256,
         max_context_len: int = 0,
         prefill_chunk_tokens: int = 512,
+        max_batched_tokens: int = 16,
         kv_cache_bytes: int = 0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -95,10 +115,16 @@ class TargetEngine:
         if prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {max_batched_tokens}")
+        self.max_batched_tokens = max_batched_tokens  # rows of one batched pass (the server's batcher)
         self.model = loaded.model
         self.device = loaded.device
-        # On CUDA the model's attention becomes the Triton tree-attention kernel (a chain by default).
-        self.attention = install_on_cuda(self.model, loaded.device)
+        # On CUDA the model's attention becomes the Triton tree-attention kernel (a chain by default);
+        # on every device it also learns to run several sessions in one pass (run_batch).
+        install_on_cuda(self.model, loaded.device)
+        self.batched = ragged.install(self.model) is not None  # else run_batch runs its sessions one by one
+        self.attention = self.model.config._attn_implementation
         self.metrics = metrics
         text_config = loaded.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
@@ -141,6 +167,7 @@ class TargetEngine:
             max_sessions=settings.max_sessions,
             max_context_len=settings.max_context_len,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            max_batched_tokens=settings.max_batched_tokens,
             metrics=metrics,
         )
 
@@ -206,54 +233,7 @@ class TargetEngine:
 
     def verify(self, block: DraftBlock) -> Verdict:
         """Verifies one draft block against the session and commits the verdict's tokens."""
-        self.check_tokenizer(block.tokenizer_fingerprint)
-        check_block(block, self.vocab_size)
-        session = self.store.get(block.session_id)
-        # A finished session answers FINISHED to any block, stale or not: the drafter is done.
-        if session.finished:
-            return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
-        if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
-            return Verdict(block.block_id, STALE, session.committed_len)
-
-        started = time.perf_counter()
-        # Draft tokens past the session's budget could never be committed; verifying only the
-        # others changes no committed token's distribution (the last one is then a bonus token).
-        k = min(len(block.draft_token_ids), session.remaining - 1)
-        drafts = list(block.draft_token_ids[:k])
-        want_hidden = session.config.return_hidden_states or block.return_hidden_states
-        # [k+1, vocab], [k+1, hidden]: row i scores the token after [last committed, *drafts][i].
-        logits, hidden = self._forward(session, [session.tokens[-1], *drafts], want_hidden=want_hidden)
-        q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
-        uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
-        num_accepted, next_token = self.verifier.verify_chain(
-            logits[None],  # [1, k+1, vocab]
-            torch.tensor([drafts], dtype=torch.long, device=self.device).reshape(1, k),  # [1, k]
-            q_ids,
-            q_probs,
-            session.sampling.temperature,
-            session.sampling.top_p,
-            session.sampling.top_k,
-            uniforms,
-            exponentials,
-        )
-        accepted = int(num_accepted[0])
-        committed, reason = self._cut(session, [*drafts[:accepted], int(next_token[0])])
-        self._commit(session, committed, reason)
-        elapsed = time.perf_counter() - started
-
-        if self.metrics is not None:
-            self.metrics.verify_duration.observe(elapsed)
-            self.metrics.record_round(k, accepted)
-        return Verdict(
-            block_id=block.block_id,
-            status=OK,
-            committed_len=session.committed_len,
-            num_accepted=min(accepted, len(committed)),
-            committed_token_ids=tuple(committed),
-            finish_reason=reason,
-            hidden_states=None if hidden is None else hidden[: len(committed)],
-            verify_seconds=elapsed,
-        )
+        return _unwrap(self.run_batch([block])[0])
 
     def generate(
         self, session_id: str, max_tokens: int = 1, cancelled: Callable[[], bool] = lambda: False
@@ -266,18 +246,119 @@ class TargetEngine:
         """
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be positive, got {max_tokens}")
-        session = self.store.get(session_id)
         produced: list[int] = []
-        while len(produced) < max_tokens and not session.finished:
-            logits, _ = self._forward(session, session.tokens[-1:], last_only=True)  # [1, vocab]
-            token = self._sample(session, logits)
-            if cancelled():
+        while True:
+            result = _unwrap(self.run_batch([DecodeStep(session_id, cancelled)])[0])
+            produced += result.token_ids
+            if len(produced) >= max_tokens or result.finish_reason != NOT_FINISHED or not result.token_ids:
+                return GenerateResult(tuple(produced), result.committed_len, result.finish_reason)
+
+    def run_batch(self, calls: Sequence[DraftBlock | DecodeStep]) -> list[Verdict | GenerateResult | Exception]:
+        """Runs verify blocks and decode steps of different sessions in one forward pass.
+
+        Each call gets its own answer, or the error it alone caused (an unknown session, a bad
+        block); a forward pass that fails fails every call in it. The answers are what
+        :meth:`verify` and one step of :meth:`generate` give for each call alone: the sessions do
+        not interact, only their rows share the weight reads (``target_service.ragged``).
+        """
+        if len({call.session_id for call in calls}) != len(calls):
+            raise ValueError("a batch holds at most one call per session (the second depends on the first)")
+        answers: list[Verdict | GenerateResult | Exception | None] = [None] * len(calls)
+        steps: list[tuple[int, _Step]] = []
+        for i, call in enumerate(calls):
+            try:
+                planned = self._plan_verify(call) if isinstance(call, DraftBlock) else self._plan_decode(call)
+            except Exception as error:  # noqa: BLE001 (this call's own refusal: handed back, the others go on)
+                answers[i] = error
+                continue
+            if isinstance(planned, _Step):
+                steps.append((i, planned))
+            else:
+                answers[i] = planned
+        if steps:
+            started = time.perf_counter()
+            try:
+                outputs = self._forward_steps([step for _, step in steps])
+            except Exception as error:  # noqa: BLE001 (the pass failed for all of them)
+                for i, _ in steps:
+                    answers[i] = error
+            else:
+                if self.metrics is not None:
+                    self.metrics.pass_sessions.observe(len(steps))
+                for (i, step), (logits, hidden) in zip(steps, outputs):
+                    try:
+                        answers[i] = step.finish(logits, hidden, started)
+                    except Exception as error:  # noqa: BLE001
+                        answers[i] = error
+        return answers
+
+    def _plan_verify(self, block: DraftBlock) -> Verdict | _Step:
+        """Checks a block; a FINISHED or STALE verdict needs no pass, an OK one gets its rows."""
+        self.check_tokenizer(block.tokenizer_fingerprint)
+        check_block(block, self.vocab_size)
+        session = self.store.get(block.session_id)
+        # A finished session answers FINISHED to any block, stale or not: the drafter is done.
+        if session.finished:
+            return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
+        if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
+            return Verdict(block.block_id, STALE, session.committed_len)
+        # Draft tokens past the session's budget could never be committed; verifying only the
+        # others changes no committed token's distribution (the last one is then a bonus token).
+        k = min(len(block.draft_token_ids), session.remaining - 1)
+        drafts = list(block.draft_token_ids[:k])
+
+        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> Verdict:
+            # logits [k+1, vocab], hidden [k+1, hidden]: row i scores the token after [last committed, *drafts][i].
+            q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
+            uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
+            num_accepted, next_token = self.verifier.verify_chain(
+                logits[None],  # [1, k+1, vocab]
+                torch.tensor([drafts], dtype=torch.long, device=self.device).reshape(1, k),  # [1, k]
+                q_ids,
+                q_probs,
+                session.sampling.temperature,
+                session.sampling.top_p,
+                session.sampling.top_k,
+                uniforms,
+                exponentials,
+            )
+            accepted = int(num_accepted[0])
+            committed, reason = self._cut(session, [*drafts[:accepted], int(next_token[0])])
+            self._commit(session, committed, reason)
+            elapsed = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.verify_duration.observe(elapsed)
+                self.metrics.record_round(k, accepted)
+            return Verdict(
+                block_id=block.block_id,
+                status=OK,
+                committed_len=session.committed_len,
+                num_accepted=min(accepted, len(committed)),
+                committed_token_ids=tuple(committed),
+                finish_reason=reason,
+                hidden_states=None if hidden is None else hidden[: len(committed)],
+                verify_seconds=elapsed,
+            )
+
+        want_hidden = session.config.return_hidden_states or block.return_hidden_states
+        return _Step(session, [session.tokens[-1], *drafts], want_hidden, finish)
+
+    def _plan_decode(self, step: DecodeStep) -> GenerateResult | _Step:
+        """A finished session answers with no tokens; a live one gets one row."""
+        session = self.store.get(step.session_id)
+        if session.finished:
+            return GenerateResult((), session.committed_len, session.finish_reason)
+
+        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> GenerateResult:
+            token = self._sample(session, logits[-1:])  # logits: [1, vocab]
+            if step.cancelled():
                 kv_cache.truncate(session.cache, session.committed_len - 1)
-                break
+                return GenerateResult((), session.committed_len, session.finish_reason)
             committed, reason = self._cut(session, [token])
             self._commit(session, committed, reason)
-            produced += committed
-        return GenerateResult(tuple(produced), session.committed_len, session.finish_reason)
+            return GenerateResult(tuple(committed), session.committed_len, session.finish_reason)
+
+        return _Step(session, session.tokens[-1:], False, finish)
 
     def release(self, session_id: str) -> bool:
         """Frees the session; False when it did not exist."""
@@ -356,6 +437,28 @@ class TargetEngine:
         hidden = out.hidden_states[-1][0] if want_hidden else None  # [n, hidden_size]
         return logits, hidden
 
+    def _forward_steps(self, steps: Sequence[_Step]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each step's logits ``[n, vocab]`` and hidden states ``[n, hidden_size]`` (None unless it
+        asked), from one forward pass: a session alone runs exactly as :meth:`_forward`."""
+        if len(steps) == 1 or not self.batched:
+            return [self._forward(step.session, step.token_ids, want_hidden=step.want_hidden) for step in steps]
+        want_hidden = any(step.want_hidden for step in steps)
+        try:
+            with torch.inference_mode():
+                logits, hidden = ragged.forward(
+                    self.model, [step.session.cache for step in steps], [step.token_ids for step in steps],
+                    self.device, want_hidden=want_hidden,
+                )
+        except Exception:
+            # As in _forward: caches may have grown in some layers and not others.
+            for step in steps:
+                self.store.release(step.session.session_id)
+            raise
+        return [
+            (rows, hidden[i] if hidden is not None and step.want_hidden else None)
+            for i, (step, rows) in enumerate(zip(steps, logits))
+        ]
+
     def _sample(self, session: Session, logits: torch.Tensor) -> int:
         """One token from the target distribution. ``logits``: [1, vocab]."""
         _, exponentials = self._randomness(session, 0)  # [1, vocab]
@@ -408,6 +511,12 @@ class TargetEngine:
     def _report_live(self, live: int) -> None:
         if self.metrics is not None:
             self.metrics.sessions_active.labels(mode="target").set(live)
+
+
+def _unwrap(answer: Verdict | GenerateResult | Exception) -> Verdict | GenerateResult:
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def _extends(committed: list[int], base_len: int, assumed: Sequence[int]) -> bool:

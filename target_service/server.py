@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -19,7 +19,8 @@ from tandem.model_worker import ModelWorker
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service import convert
 from target_service.api import NOT_FINISHED
-from target_service.engine import TargetEngine
+from target_service.batcher import PassBatcher
+from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import (
     InvalidArgument,
     SessionExists,
@@ -49,9 +50,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, worker: ModelWorker, engine: TargetEngine | None = None) -> None:
         self.worker = worker
-        self.engine = engine
+        self.engine: TargetEngine | None = None
+        self.batcher: PassBatcher | None = None
+        if engine is not None:
+            self.attach(engine)
 
     def attach(self, engine: TargetEngine) -> None:
+        # Verify blocks and decode steps of different sessions share passes; prefill chunks and
+        # releases are separate worker calls.
+        self.batcher = PassBatcher(self.worker, engine.run_batch, engine.max_batched_tokens)
         self.engine = engine
 
     async def Info(self, request: target_pb2.TargetServiceInfoRequest, context: grpc.aio.ServicerContext):
@@ -73,15 +80,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(
         self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.VerifyResponse]:
-        engine = await self._require_engine(context)
+        await self._require_engine(context)
         async for request in request_iterator:
-            verdict = await self._call(context, engine.verify, convert.draft_block(request))
+            block = convert.draft_block(request)
+            verdict = await self._answer(context, self.batcher.run(block, 1 + len(block.draft_token_ids)))
             yield convert.verify_response(verdict)
 
     async def Generate(
         self, request: target_pb2.TargetServiceGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.TargetServiceGenerateResponse]:
-        engine = await self._require_engine(context)
+        await self._require_engine(context)
         if request.max_new_tokens < 0:
             message = f"max_new_tokens must be >= 0, got {request.max_new_tokens}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -91,7 +99,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sent = 0
         try:
             while budget is None or sent < budget:
-                result = await self._call(context, engine.generate, request.session_id, 1, cancelled.is_set)
+                step = DecodeStep(request.session_id, cancelled.is_set)
+                result = await self._answer(context, self.batcher.run(step, 1))
                 sent += len(result.token_ids)
                 yield convert.generate_response(result)
                 if result.finish_reason != NOT_FINISHED or not result.token_ids:
@@ -115,10 +124,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _call(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, urgent: bool = False
     ) -> T:
-        """Runs an engine call on the worker (``urgent``: ahead of the queued calls); a refusal
-        becomes its gRPC status, a bug INTERNAL."""
+        """Runs an engine call on the worker (``urgent``: ahead of the queued calls)."""
+        return await self._answer(context, (self.worker.run_soon if urgent else self.worker.run)(fn, *args))
+
+    async def _answer(self, context: grpc.aio.ServicerContext, pending: Awaitable[T]) -> T:
+        """The engine's answer; a refusal becomes its gRPC status, a bug INTERNAL."""
         try:
-            return await (self.worker.run_soon if urgent else self.worker.run)(fn, *args)
+            return await pending
         except TargetError as error:
             code, message = _STATUS_CODES.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error)
         except Exception as error:  # a bug, not bad input: report it and keep serving

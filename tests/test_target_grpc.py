@@ -336,9 +336,9 @@ async def test_a_long_prefill_runs_in_chunks_between_other_sessions_steps(loaded
 
         return call
 
-    for name in ("prefill_chunk", "generate"):
+    for name in ("prefill_chunk", "run_batch"):  # Generate's steps go through run_batch
         setattr(engine, name, recorded(name))
-    running = await start_target(engine)
+    running = await start_target(engine)  # after the patches: the server's batcher takes engine.run_batch
     long_prompt = [(7 * i) % 290 + 5 for i in range(40)]
     try:
         async with insecure_channel(f"127.0.0.1:{running.port}") as channel:
@@ -357,7 +357,7 @@ async def test_a_long_prefill_runs_in_chunks_between_other_sessions_steps(loaded
         await running.stop()
     chunks = [i for i, name in enumerate(calls) if name == "prefill_chunk"]
     assert len(chunks) == 20
-    assert "generate" in calls[chunks[0] : chunks[-1]]  # steps ran while the prompt was prefilled
+    assert "run_batch" in calls[chunks[0] : chunks[-1]]  # steps ran while the prompt was prefilled
     one_pass = TargetEngine(loaded, prefill_chunk_tokens=0).prefill("x", long_prompt, SessionConfig(max_new_tokens=8))
     assert (answer.token_id, answer.committed_len) == (one_pass.token_id, 41)
 

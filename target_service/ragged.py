@@ -1,0 +1,155 @@
+"""One forward pass over several sessions: each with its own KV cache, length and new tokens.
+
+Decoding is bound by reading the weights, not by arithmetic: on the 2-core CPU gemma-3-270m
+takes 36 ms for one token and 43 ms for one token of each of four sessions in one pass, so
+when several sessions wait for the target, running their steps together multiplies throughput
+(the continuous batching of vLLM and TGI, without their paged caches).
+
+The sessions' tokens are laid end to end as one sequence ``[1, rows]`` ("ragged": no padding),
+each with its own positions. Everything in the model but attention works row by row, so only
+attention needs to know where one session ends: :class:`RaggedCache` appends each session's slice
+of the new keys and values to that session's own cache, and the attention function installed by
+:func:`install` attends each slice over its own session's keys, causally and inside the layer's
+sliding window. Outside :func:`forward` that function is the model's previous attention, untouched.
+
+transformers is kept from building masks by handing it an already "prepared" 4D mask (a marker
+it returns as is; the attention function ignores it), and from inferring positions by passing
+``position_ids``; so the cache is never asked for its length, and any transformers model whose
+attention is looked up through ``AttentionInterface`` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kernels.reference.tree_attention import tree_attention_mask
+from target_service import kv_cache
+
+PREFIX = "tandem_ragged_"  # the wrapped implementation's name follows
+
+
+@dataclass
+class RaggedCache:
+    """Stands in for the model's cache during a ragged forward: one real cache per session."""
+
+    caches: Sequence[DynamicCache]
+    sizes: Sequence[int]  # new tokens per session, in sequence order
+    marker: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 1, 1, 1, dtype=torch.bool))
+    # layer -> each session's whole (keys, values) [1, kv_heads, its length, head_dim] after this update
+    layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``key``/``value``: [1, kv_heads, rows, head_dim]; each session's slice goes to its cache."""
+        whole = []
+        start = 0
+        for cache, size in zip(self.caches, self.sizes):
+            whole.append(cache.update(key[:, :, start : start + size], value[:, :, start : start + size], layer_idx))
+            start += size
+        self.layers[layer_idx] = whole
+        return key, value  # unused: the attention reads ``layers``
+
+
+_ACTIVE: contextvars.ContextVar[RaggedCache | None] = contextvars.ContextVar("tandem_ragged", default=None)
+
+
+def install(model: torch.nn.Module) -> str | None:
+    """Wraps the model's attention implementation so that it also runs ragged forwards; returns
+    the new name. Ordinary forwards still go to the wrapped implementation, with the same masks.
+
+    Wraps SDPA and implementations that build their own masks (tandem's tree attention); for
+    others (eager, flash: their masks take other forms) it changes nothing and returns None.
+    """
+    inner = model.config._attn_implementation
+    if inner.startswith(PREFIX):
+        return inner
+    if inner not in ALL_ATTENTION_FUNCTIONS or (inner != "sdpa" and inner in ALL_MASK_ATTENTION_FUNCTIONS):
+        return None
+    name = PREFIX + inner
+    AttentionInterface.register(name, _ragged_attention(inner))
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise RuntimeError(f"{type(model).__name__} refused attn_implementation={name!r}")
+    return name
+
+
+def forward(
+    model: torch.nn.Module,
+    caches: Sequence[DynamicCache],
+    token_ids: Sequence[Sequence[int]],
+    device: torch.device | str,
+    want_hidden: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Runs each session's ``token_ids`` after its cache, in one pass (the model must be
+    :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]`` and,
+    with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
+    if not model.config._attn_implementation.startswith(PREFIX):
+        raise RuntimeError("ragged.forward needs ragged.install(model) first")
+    sizes = [len(ids) for ids in token_ids]
+    if not sizes or min(sizes) < 1:
+        raise ValueError("every session of a ragged forward needs at least one token")
+    flat = [token for ids in token_ids for token in ids]
+    positions = [kv_cache.cache_length(cache) + i for cache, size in zip(caches, sizes) for i in range(size)]
+    input_ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, rows]
+    position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, rows]
+    ragged = RaggedCache(caches, sizes)
+    with _active(ragged):
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=ragged.marker,
+            cache=ragged,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+            logits_to_keep=0,
+        )
+    logits = list(out.logits[0].split(sizes))  # [n, vocab] each
+    hidden = list(out.hidden_states[-1][0].split(sizes)) if want_hidden else None  # [n, hidden_size] each
+    return logits, hidden
+
+
+@contextlib.contextmanager
+def _active(ragged: RaggedCache) -> Iterator[None]:
+    token = _ACTIVE.set(ragged)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _ragged_attention(inner: str) -> Callable:
+    """The attention function of ``PREFIX + inner``: ``inner`` itself, or per session when ragged."""
+    wants_mask = inner == "sdpa"  # it applies the mask it is given; the others build their own
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # query: [1, heads, rows, head_dim]
+        inner_fn = ALL_ATTENTION_FUNCTIONS[inner]
+        ragged = _ACTIVE.get()
+        if ragged is None or attention_mask is not ragged.marker:
+            return inner_fn(module, query, key, value, attention_mask, **kwargs)
+        window = kwargs.get("sliding_window")
+        outputs = []
+        start = 0
+        for (keys, values), size in zip(ragged.layers[module.layer_idx], ragged.sizes):
+            q = query[:, :, start : start + size]  # [1, heads, n, head_dim]
+            start += size
+            mask = None
+            if wants_mask:
+                if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
+                    keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
+                if size > 1:  # causal inside the slice, and the window where it cuts
+                    mask = tree_attention_mask(None, size, keys.shape[2], sliding_window=window, device=q.device)
+                    mask = mask[:, None]  # [1, 1, n, keys]
+            out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None  # [1, rows, heads, head_dim]
+
+    return attention

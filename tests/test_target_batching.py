@@ -1,0 +1,389 @@
+"""Several sessions in one target forward pass (``target_service.ragged``), the engine's
+``run_batch`` and the server's ``PassBatcher``: a batched pass gives every session what it would
+get alone, on tiny random Llama and Gemma 3 (sliding window 8, contexts past it) targets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from kernels import hf_attention
+from tandem.grpc_util import insecure_channel
+from tandem.metrics import make_metrics
+from tandem.model_worker import ModelWorker
+from tandem.models import load_model
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service import kv_cache, ragged
+from target_service.api import FINISHED, OK, STALE, DraftBlock, GenerateResult, SparseQ, Verdict
+from target_service.batcher import PassBatcher
+from target_service.engine import DecodeStep, TargetEngine
+from target_service.errors import InvalidArgument, SessionNotFound
+from target_service.main import start_target
+from target_service.session import SessionConfig
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir):
+    return load_model(str(tiny_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_gemma_dir):
+    return load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def target(request, llama, gemma):
+    return llama if request.param == "llama" else gemma
+
+
+def _tokens(seed: int, length: int) -> list[int]:
+    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _filled_cache(model, tokens: list[int]):
+    cache = kv_cache.new_cache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+    return cache
+
+
+# --------------------------------------------------------------------------- ragged forward
+
+
+@pytest.mark.parametrize("inner", ["sdpa", hf_attention.NAME_REFERENCE])
+def test_a_ragged_pass_equals_each_session_run_alone(target, inner) -> None:
+    """Contexts of 3 to 30 tokens (the Gemma window is 8) and 1 to 5 new tokens per session:
+    logits, hidden states and the caches afterwards all equal separate forwards. ``inner`` is the
+    wrapped attention: transformers' SDPA (masks given), and tandem's tree attention (builds its
+    own masks; the Triton kernel's place on CUDA)."""
+    model = target.model
+    if inner == hf_attention.NAME_REFERENCE:
+        hf_attention.install(model, inner)
+    else:
+        model.set_attn_implementation(inner)
+    try:
+        ragged.install(model)
+        contexts = [_tokens(seed, length) for seed, length in enumerate((3, 30, 12, 9))]
+        new = [_tokens(10 + seed, n) for seed, n in enumerate((1, 5, 2, 1))]
+        alone_caches = [_filled_cache(model, ctx) for ctx in contexts]
+        batch_caches = [_filled_cache(model, ctx) for ctx in contexts]
+        alone = []
+        with torch.inference_mode():
+            for cache, ids in zip(alone_caches, new):
+                out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, output_hidden_states=True)
+                alone.append((out.logits[0], out.hidden_states[-1][0]))  # [n, vocab], [n, hidden]
+            logits, hidden = ragged.forward(model, batch_caches, new, "cpu", want_hidden=True)
+        for (want_logits, want_hidden), got_logits, got_hidden in zip(alone, logits, hidden):
+            torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=1e-4)
+        for want, got in zip(alone_caches, batch_caches):
+            assert kv_cache.cache_length(got) == kv_cache.cache_length(want)
+            for layer_want, layer_got in zip(want.layers, got.layers):
+                torch.testing.assert_close(layer_got.keys, layer_want.keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(layer_got.values, layer_want.values, atol=1e-5, rtol=1e-5)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_ordinary_forwards_are_untouched_by_the_install(target) -> None:
+    model = target.model
+    model.set_attn_implementation("sdpa")
+    tokens = _tokens(5, 20)
+    with torch.inference_mode():
+        before = model(input_ids=torch.tensor([tokens])).logits
+        assert ragged.install(model) == ragged.PREFIX + "sdpa" == ragged.install(model)  # idempotent
+        after = model(input_ids=torch.tensor([tokens])).logits
+    assert torch.equal(before, after)
+
+
+def test_a_model_whose_attention_cannot_be_wrapped_is_served_one_session_per_pass(llama) -> None:
+    """Eager attention (its masks are additive, model by model) is left alone; run_batch still
+    answers every call, running the sessions one after the other."""
+    llama.model.set_attn_implementation("eager")
+    try:
+        assert ragged.install(llama.model) is None and llama.model.config._attn_implementation == "eager"
+        engine, alone = _engine(llama), _engine(llama)
+        assert not engine.batched
+        sessions = {"a": SessionConfig(max_new_tokens=6), "b": SessionConfig(max_new_tokens=6)}
+        _start(engine, sessions)
+        _start(alone, sessions)
+        batch = engine.run_batch([DecodeStep("a"), DraftBlock("b", engine.store.get("b").committed_len, (5, 6))])
+        assert _same(batch[0], alone.run_batch([DecodeStep("a")])[0])
+        assert _same(batch[1], alone.run_batch([DraftBlock("b", alone.store.get("b").committed_len, (5, 6))])[0])
+    finally:
+        llama.model.set_attn_implementation("sdpa")
+
+
+def test_a_ragged_forward_needs_the_install_and_tokens(llama) -> None:
+    model = llama.model
+    model.set_attn_implementation("sdpa")
+    cache = _filled_cache(model, [5, 6, 7])
+    with pytest.raises(RuntimeError, match="install"):
+        ragged.forward(model, [cache], [[5]], "cpu")
+    ragged.install(model)
+    with pytest.raises(ValueError, match="at least one token"):
+        ragged.forward(model, [cache, cache], [[5], []], "cpu")
+
+
+# --------------------------------------------------------------------------- engine.run_batch
+
+
+def _engine(loaded, **kwargs) -> TargetEngine:
+    return TargetEngine(loaded, **kwargs)
+
+
+def _start(engine: TargetEngine, sessions: dict[str, SessionConfig]) -> None:
+    for i, (session_id, config) in enumerate(sessions.items()):
+        engine.prefill(session_id, _tokens(20 + i, 6 + 5 * i), config)  # 6 to 26 tokens: past the window
+
+
+def _calls(engine: TargetEngine, round_: int, session_ids) -> list:
+    """A verify block (some drafts right, some wrong), a sampled block with the draft's q, or a
+    decode step for each session, depending on the round."""
+    calls = []
+    for i, session_id in enumerate(session_ids):
+        session = engine.store.get(session_id)
+        if session.finished:
+            continue
+        kind = (i + round_) % 3
+        drafts = tuple(_tokens(100 * round_ + i, 1 + (i + round_) % 4))
+        if kind == 0:
+            calls.append(DecodeStep(session_id))
+        elif kind == 1 or session.config.temperature == 0:
+            calls.append(DraftBlock(session_id, session.committed_len, drafts, block_id=round_, return_hidden_states=True))
+        else:
+            q = tuple(SparseQ((d, 7), (0.75, 0.25)) if d != 7 else SparseQ((7,), (1.0,)) for d in drafts)
+            calls.append(DraftBlock(session_id, session.committed_len, drafts, draft_probs=q, block_id=round_))
+    return calls
+
+
+def _same(a: Verdict | GenerateResult, b: Verdict | GenerateResult) -> bool:
+    if isinstance(a, GenerateResult):
+        return a == b
+    hidden_same = (a.hidden_states is None) == (b.hidden_states is None) and (
+        a.hidden_states is None or torch.allclose(a.hidden_states, b.hidden_states, atol=1e-4)
+    )
+    fields = ("block_id", "status", "committed_len", "num_accepted", "committed_token_ids", "finish_reason")
+    return hidden_same and all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> None:
+    """Five sessions (greedy and seeded sampling) driven to their finish by mixed rounds of verify
+    blocks and decode steps: batched, and one call at a time on a twin engine. Every answer, the
+    committed tokens and the sampling randomness all match."""
+    sessions = {
+        "g1": SessionConfig(max_new_tokens=24, ignore_eos=True),
+        "g2": SessionConfig(max_new_tokens=17, ignore_eos=True),
+        "s1": SessionConfig(max_new_tokens=20, temperature=0.9, top_k=20, seed=1, ignore_eos=True),
+        "s2": SessionConfig(max_new_tokens=22, temperature=1.2, top_p=0.9, seed=2, ignore_eos=True),
+        "g3": SessionConfig(max_new_tokens=30, ignore_eos=True, return_hidden_states=True),
+    }
+    metrics = make_metrics("target")
+    batched, alone = _engine(target, metrics=metrics), _engine(target)
+    _start(batched, sessions)
+    _start(alone, sessions)
+    rounds = 0
+    while any(not batched.store.get(s).finished for s in sessions):
+        rounds += 1
+        calls = _calls(batched, rounds, sessions)
+        assert calls == _calls(alone, rounds, sessions)
+        answers = batched.run_batch(calls)
+        for call, answer in zip(calls, answers):
+            assert _same(answer, alone.run_batch([call])[0]), (rounds, call)
+            assert not isinstance(answer, Verdict) or answer.status == OK
+        for s in sessions:
+            assert batched.store.get(s).tokens == alone.store.get(s).tokens
+            if not batched.store.get(s).finished:  # the engine's invariant, for every session of the batch
+                assert kv_cache.cache_length(batched.store.get(s).cache) == batched.store.get(s).committed_len - 1
+    assert rounds >= 8
+    counts = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")
+    assert counts == rounds and metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") > 2 * rounds
+
+
+def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
+    engine = _engine(llama)
+    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8),
+                    "done": SessionConfig(max_new_tokens=1)})
+    a = engine.store.get("a")
+    answers = engine.run_batch([
+        DraftBlock("a", a.committed_len, (5, 6)),
+        DraftBlock("b", 0, (5,)),  # stale: assumes an empty sequence
+        DecodeStep("nobody"),
+        DraftBlock("done", engine.store.get("done").committed_len, (5,)),
+        DraftBlock("c", 3, (5,), draft_probs=(SparseQ((6,), (1.0,)),)),  # bad input, before any session lookup
+    ])
+    assert answers[0].status == OK and len(answers[0].committed_token_ids) >= 1
+    assert answers[1].status == STALE and answers[1].committed_len == engine.store.get("b").committed_len
+    assert isinstance(answers[2], SessionNotFound)
+    assert answers[3].status == FINISHED
+    assert isinstance(answers[4], InvalidArgument)
+    with pytest.raises(ValueError, match="one call per session"):
+        engine.run_batch([DecodeStep("a"), DraftBlock("a", a.committed_len, (5,))])
+
+
+def test_a_failed_batched_pass_fails_its_sessions_only(llama, monkeypatch) -> None:
+    engine = _engine(llama)
+    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8),
+                    "c": SessionConfig(max_new_tokens=8)})
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ragged, "forward", out_of_memory)
+        answers = engine.run_batch([DecodeStep("a"), DecodeStep("b")])
+    assert all(isinstance(answer, RuntimeError) for answer in answers)
+    for session_id in ("a", "b"):  # their caches may be half-written: they are gone
+        with pytest.raises(SessionNotFound):
+            engine.store.get(session_id)
+    assert len(engine.generate("c", 2).token_ids) == 2
+
+
+def test_a_step_whose_caller_left_during_the_pass_commits_nothing(llama) -> None:
+    engine = _engine(llama)
+    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8)})
+    before = {s: list(engine.store.get(s).tokens) for s in ("a", "b")}
+    gone, stays = engine.run_batch([DecodeStep("a", cancelled=lambda: True), DecodeStep("b")])
+    assert gone.token_ids == () and engine.store.get("a").tokens == before["a"]
+    assert kv_cache.cache_length(engine.store.get("a").cache) == len(before["a"]) - 1
+    assert len(stays.token_ids) == 1 and engine.store.get("b").tokens[:-1] == before["b"]
+
+
+# --------------------------------------------------------------------------- PassBatcher
+
+
+class _Call:
+    def __init__(self, session_id: str, name: str) -> None:
+        self.session_id, self.name = session_id, name
+
+
+async def test_the_batcher_groups_what_waits_one_call_per_session_within_the_token_budget() -> None:
+    worker = ModelWorker("test")
+    passes: list[list[str]] = []
+
+    def run_batch(calls):
+        passes.append([c.name for c in calls])
+        return [ValueError(c.name) if c.name == "bad" else c.name.upper() for c in calls]
+
+    batcher = PassBatcher(worker, run_batch, max_tokens=6)
+    busy = threading.Event()
+    blocker = asyncio.ensure_future(worker.run(busy.wait))  # the model is busy: calls pile up
+    await asyncio.sleep(0.05)
+    arrivals = [("a", "a1", 2), ("b", "b1", 3), ("a", "a2", 1), ("c", "c1", 2), ("d", "bad", 1), ("e", "e1", 1)]
+    waits = [asyncio.ensure_future(batcher.run(_Call(s, name), rows)) for s, name, rows in arrivals]
+    gone = asyncio.ensure_future(batcher.run(_Call("f", "f1"), 1))
+    await asyncio.sleep(0.05)
+    gone.cancel()  # its caller left before any pass
+    busy.set()
+    await blocker
+    answers = await asyncio.gather(*waits, return_exceptions=True)
+    assert [a if isinstance(a, str) else f"error {a}" for a in answers] == ["A1", "B1", "A2", "C1", "error bad", "E1"]
+    # Pass 1: a1 + b1 (5 tokens); a2 waits for a1; c1 (2) would pass the budget of 6, bad (1) fits.
+    assert passes == [["a1", "b1", "bad"], ["a2", "c1", "e1"]]
+    worker.shutdown()
+
+
+async def test_a_lone_call_runs_at_once_and_a_batch_error_reaches_every_caller() -> None:
+    worker = ModelWorker("test")
+
+    def broken(calls):
+        raise RuntimeError("bug")
+
+    assert await PassBatcher(worker, lambda calls: [c.name for c in calls]).run(_Call("a", "x"), 1) == "x"
+    batcher = PassBatcher(worker, broken)
+    results = await asyncio.gather(batcher.run(_Call("a", "x"), 1), batcher.run(_Call("b", "y"), 1),
+                                   return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    with pytest.raises(ValueError):
+        PassBatcher(worker, broken, max_tokens=0)
+    worker.shutdown()
+
+
+# --------------------------------------------------------------------------- over gRPC
+
+
+def _prefill(session_id: str, prompt: list[int], new: int) -> target_pb2.PrefillRequest:
+    return target_pb2.PrefillRequest(
+        session_id=session_id,
+        prompt_token_ids=prompt,
+        params=common_pb2.SessionParams(sampling=common_pb2.SamplingParams(), max_new_tokens=new, ignore_eos=True),
+    )
+
+
+async def test_concurrent_streams_share_passes_and_get_the_tokens_they_would_get_alone(llama) -> None:
+    """Six Generate streams and two Verify streams at once: the passes hold several sessions, and
+    every session's tokens equal those of the same requests one at a time."""
+    prompts = [_tokens(40 + i, 5 + 3 * i) for i in range(8)]
+
+    async def drive(stub, i: int) -> list[int]:
+        session_id = uuid.uuid4().hex
+        first = await stub.Prefill(_prefill(session_id, prompts[i], 12))
+        tokens = [first.token_id]
+        if i < 6:
+            async for answer in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=session_id)):
+                tokens += answer.token_ids
+        else:  # verify blocks of two (wrong) drafts each, one after the other
+            length = first.committed_len
+            while len(tokens) < 12:
+                request = target_pb2.VerifyRequest(session_id=session_id, base_len=length, draft_token_ids=[7, 8])
+                (verdict,) = [v async for v in stub.Verify(_one(request))]
+                tokens += verdict.committed_token_ids
+                length = verdict.committed_len
+        await stub.Release(target_pb2.ReleaseRequest(session_id=session_id))
+        return tokens
+
+    results = {}
+    for concurrent in (False, True):
+        metrics = make_metrics("target")
+        running = await start_target(TargetEngine(llama, metrics=metrics))
+        try:
+            async with insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                if concurrent:
+                    results[concurrent] = await asyncio.gather(*(drive(stub, i) for i in range(8)))
+                else:
+                    results[concurrent] = [await drive(stub, i) for i in range(8)]
+        finally:
+            await running.stop()
+        passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")
+        sessions = metrics.registry.get_sample_value("tandem_target_pass_sessions_sum")
+        if concurrent:
+            assert sessions / passes > 2  # most passes were shared
+        else:
+            assert sessions == passes  # one session per pass
+    assert results[True] == results[False]
+    assert all(len(tokens) == 12 for tokens in results[True])
+
+
+async def _one(request):
+    yield request
+
+
+async def test_an_unknown_session_in_a_shared_pass_is_refused_alone(llama) -> None:
+    running = await start_target(TargetEngine(llama))
+    try:
+        async with insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            good = uuid.uuid4().hex
+            await stub.Prefill(_prefill(good, _tokens(1, 6), 30))
+
+            async def unknown():
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    async for _ in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id="nobody")):
+                        pass
+                return error.value.code()
+
+            async def fine():
+                return [t async for a in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=good))
+                        for t in a.token_ids]
+
+            code, tokens = await asyncio.gather(unknown(), fine())
+            assert code == grpc.StatusCode.NOT_FOUND and len(tokens) == 29
+    finally:
+        await running.stop()
