@@ -156,7 +156,9 @@ def _calls(engine: TargetEngine, round_: int, session_ids) -> list:
         if kind == 0:
             calls.append(DecodeStep(session_id))
         elif kind == 1 or session.config.temperature == 0:
-            calls.append(DraftBlock(session_id, session.committed_len, drafts, block_id=round_, return_hidden_states=True))
+            calls.append(
+                DraftBlock(session_id, session.committed_len, drafts, block_id=round_, return_hidden_states=True)
+            )
         else:
             q = tuple(SparseQ((d, 7), (0.75, 0.25)) if d != 7 else SparseQ((7,), (1.0,)) for d in drafts)
             calls.append(DraftBlock(session_id, session.committed_len, drafts, draft_probs=q, block_id=round_))
@@ -208,16 +210,24 @@ def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> No
 
 def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
     engine = _engine(llama)
-    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8),
-                    "done": SessionConfig(max_new_tokens=1)})
+    _start(
+        engine,
+        {
+            "a": SessionConfig(max_new_tokens=8),
+            "b": SessionConfig(max_new_tokens=8),
+            "done": SessionConfig(max_new_tokens=1),
+        },
+    )
     a = engine.store.get("a")
-    answers = engine.run_batch([
-        DraftBlock("a", a.committed_len, (5, 6)),
-        DraftBlock("b", 0, (5,)),  # stale: assumes an empty sequence
-        DecodeStep("nobody"),
-        DraftBlock("done", engine.store.get("done").committed_len, (5,)),
-        DraftBlock("c", 3, (5,), draft_probs=(SparseQ((6,), (1.0,)),)),  # bad input, before any session lookup
-    ])
+    answers = engine.run_batch(
+        [
+            DraftBlock("a", a.committed_len, (5, 6)),
+            DraftBlock("b", 0, (5,)),  # stale: assumes an empty sequence
+            DecodeStep("nobody"),
+            DraftBlock("done", engine.store.get("done").committed_len, (5,)),
+            DraftBlock("c", 3, (5,), draft_probs=(SparseQ((6,), (1.0,)),)),  # bad input, before any session lookup
+        ]
+    )
     assert answers[0].status == OK and len(answers[0].committed_token_ids) >= 1
     assert answers[1].status == STALE and answers[1].committed_len == engine.store.get("b").committed_len
     assert isinstance(answers[2], SessionNotFound)
@@ -229,8 +239,14 @@ def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
 
 def test_a_failed_batched_pass_fails_its_sessions_only(llama, monkeypatch) -> None:
     engine = _engine(llama)
-    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8),
-                    "c": SessionConfig(max_new_tokens=8)})
+    _start(
+        engine,
+        {
+            "a": SessionConfig(max_new_tokens=8),
+            "b": SessionConfig(max_new_tokens=8),
+            "c": SessionConfig(max_new_tokens=8),
+        },
+    )
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory")
@@ -297,8 +313,9 @@ async def test_a_lone_call_runs_at_once_and_a_batch_error_reaches_every_caller()
 
     assert await PassBatcher(worker, lambda calls: [c.name for c in calls]).run(_Call("a", "x"), 1) == "x"
     batcher = PassBatcher(worker, broken)
-    results = await asyncio.gather(batcher.run(_Call("a", "x"), 1), batcher.run(_Call("b", "y"), 1),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        batcher.run(_Call("a", "x"), 1), batcher.run(_Call("b", "y"), 1), return_exceptions=True
+    )
     assert all(isinstance(r, RuntimeError) for r in results)
     with pytest.raises(ValueError):
         PassBatcher(worker, broken, max_tokens=0)
@@ -380,8 +397,11 @@ async def test_an_unknown_session_in_a_shared_pass_is_refused_alone(llama) -> No
                 return error.value.code()
 
             async def fine():
-                return [t async for a in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=good))
-                        for t in a.token_ids]
+                return [
+                    t
+                    async for a in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=good))
+                    for t in a.token_ids
+                ]
 
             code, tokens = await asyncio.gather(unknown(), fine())
             assert code == grpc.StatusCode.NOT_FOUND and len(tokens) == 29
