@@ -69,7 +69,7 @@ class TargetSettings(_Base):
         "(0 = the whole prompt in one pass)",
     )
     max_batched_tokens: int = Field(
-        16,
+        64,
         ge=1,
         description="most tokens one forward pass takes from the verify blocks and decode steps of sessions waiting "
         "together (1 = one session per pass)",

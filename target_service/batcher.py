@@ -32,7 +32,7 @@ class _Pending:
 
 class PassBatcher:
     def __init__(
-        self, worker: ModelWorker, run_batch: Callable[[Sequence[Any]], Sequence[Any]], max_tokens: int = 16
+        self, worker: ModelWorker, run_batch: Callable[[Sequence[Any]], Sequence[Any]], max_tokens: int = 64
     ) -> None:
         """``run_batch(calls)`` answers each call with its result or its exception (in order)."""
         if max_tokens < 1:

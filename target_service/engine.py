@@ -106,7 +106,7 @@ class TargetEngine:
         max_sessions: int = 256,
         max_context_len: int = 0,
         prefill_chunk_tokens: int = 512,
-        max_batched_tokens: int = 16,
+        max_batched_tokens: int = 64,
         kv_cache_bytes: int = 0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
