@@ -75,6 +75,18 @@ class PrefillJob:
     def prompt(self) -> list[int]:
         return self.session.tokens
 
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def next_chunk(self) -> list[int]:
+        """The prompt tokens the next pass feeds."""
+        return self.prompt[self.done : self.done + (self.chunk_tokens or len(self.prompt))]
+
+
+Answer = Verdict | GenerateResult | PrefillResult | None  # None: a prefill chunk that was not the last
+
 
 @dataclass(frozen=True)
 class DecodeStep:
@@ -92,7 +104,8 @@ class _Step:
     session: Session
     token_ids: list[int]  # fed after the session's cache: its last committed token, then any drafts
     want_hidden: bool
-    finish: Callable[[torch.Tensor, torch.Tensor | None, float], Verdict | GenerateResult]
+    finish: Callable[[torch.Tensor, torch.Tensor | None, float], Answer]
+    last_only: bool = False  # logits of the last row only (a prefill chunk, a decode step)
 
 
 class TargetEngine:
@@ -145,8 +158,12 @@ class TargetEngine:
         per_position = kv_cache.bytes_per_position(text_config, next(self.model.parameters()).dtype)
         budget_tokens = max(1, kv_cache_bytes // per_position) if kv_cache_bytes else 0  # 0: no budget
         if kv_cache_bytes:
-            log.info("KV cache budget: %.2f GB, %d positions at %d KB each", kv_cache_bytes / 2**30, budget_tokens,
-                     per_position // 1024)
+            log.info(
+                "KV cache budget: %.2f GB, %d positions at %d KB each",
+                kv_cache_bytes / 2**30,
+                budget_tokens,
+                per_position // 1024,
+            )
         self.store = SessionStore(
             session_ttl_s, max_sessions, clock, on_live_change=self._report_live, kv_budget_tokens=budget_tokens
         )
@@ -212,24 +229,7 @@ class TargetEngine:
     def prefill_chunk(self, job: PrefillJob) -> PrefillResult | None:
         """Runs the job's next chunk; after the last one the session joins the store (checked again:
         another session may have taken the id or the last slot meanwhile) and the result comes back."""
-        session, prompt = job.session, job.prompt
-        size = job.chunk_tokens or len(prompt)
-        chunk = prompt[job.done : job.done + size]
-        last = job.done + len(chunk) == len(prompt)
-        want_hidden = session.config.return_hidden_states
-        # [1, vocab], [chunk, hidden]
-        logits, hidden = self._forward(session, chunk, last_only=True, want_hidden=want_hidden)
-        job.done += len(chunk)
-        if hidden is not None:
-            job.hidden.append(hidden)
-        if not last:
-            return None
-        first = self._sample(session, logits)
-        self.store.add(session)
-        committed, reason = self._cut(session, [first])
-        self._commit(session, committed, reason)
-        hidden_states = torch.cat(job.hidden) if want_hidden else None  # [prompt, hidden_size]
-        return PrefillResult(first, session.committed_len, reason, hidden_states)
+        return _unwrap(self.run_batch([job])[0])
 
     def verify(self, block: DraftBlock) -> Verdict:
         """Verifies one draft block against the session and commits the verdict's tokens."""
@@ -253,21 +253,27 @@ class TargetEngine:
             if len(produced) >= max_tokens or result.finish_reason != NOT_FINISHED or not result.token_ids:
                 return GenerateResult(tuple(produced), result.committed_len, result.finish_reason)
 
-    def run_batch(self, calls: Sequence[DraftBlock | DecodeStep]) -> list[Verdict | GenerateResult | Exception]:
-        """Runs verify blocks and decode steps of different sessions in one forward pass.
+    def run_batch(self, calls: Sequence[DraftBlock | DecodeStep | PrefillJob]) -> list[Answer | Exception]:
+        """Runs verify blocks, decode steps and prefill chunks of different sessions in one forward pass.
 
         Each call gets its own answer, or the error it alone caused (an unknown session, a bad
         block); a forward pass that fails fails every call in it. The answers are what
-        :meth:`verify` and one step of :meth:`generate` give for each call alone: the sessions do
-        not interact, only their rows share the weight reads (``target_service.ragged``).
+        :meth:`verify`, one step of :meth:`generate` and :meth:`prefill_chunk` give for each call
+        alone: the sessions do not interact, only their rows share the weight reads
+        (``target_service.ragged``).
         """
         if len({call.session_id for call in calls}) != len(calls):
             raise ValueError("a batch holds at most one call per session (the second depends on the first)")
-        answers: list[Verdict | GenerateResult | Exception | None] = [None] * len(calls)
+        answers: list[Answer | Exception] = [None] * len(calls)
         steps: list[tuple[int, _Step]] = []
         for i, call in enumerate(calls):
             try:
-                planned = self._plan_verify(call) if isinstance(call, DraftBlock) else self._plan_decode(call)
+                if isinstance(call, DraftBlock):
+                    planned = self._plan_verify(call)
+                elif isinstance(call, DecodeStep):
+                    planned = self._plan_decode(call)
+                else:
+                    planned = self._plan_prefill_chunk(call)
             except Exception as error:  # noqa: BLE001 (this call's own refusal: handed back, the others go on)
                 answers[i] = error
                 continue
@@ -291,6 +297,26 @@ class TargetEngine:
                     except Exception as error:  # noqa: BLE001
                         answers[i] = error
         return answers
+
+    def _plan_prefill_chunk(self, job: PrefillJob) -> _Step:
+        session, chunk = job.session, job.next_chunk
+        last = job.done + len(chunk) == len(job.prompt)
+
+        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> PrefillResult | None:
+            # logits [1, vocab] (the chunk's last row), hidden [chunk, hidden_size] when asked for
+            job.done += len(chunk)
+            if hidden is not None:
+                job.hidden.append(hidden)
+            if not last:
+                return None
+            first = self._sample(session, logits)
+            self.store.add(session)
+            committed, reason = self._cut(session, [first])
+            self._commit(session, committed, reason)
+            hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
+            return PrefillResult(first, session.committed_len, reason, hidden_states)
+
+        return _Step(session, chunk, session.config.return_hidden_states, finish, last_only=True)
 
     def _plan_verify(self, block: DraftBlock) -> Verdict | _Step:
         """Checks a block; a FINISHED or STALE verdict needs no pass, an OK one gets its rows."""
@@ -358,7 +384,7 @@ class TargetEngine:
             self._commit(session, committed, reason)
             return GenerateResult(tuple(committed), session.committed_len, session.finish_reason)
 
-        return _Step(session, session.tokens[-1:], False, finish)
+        return _Step(session, session.tokens[-1:], False, finish, last_only=True)
 
     def release(self, session_id: str) -> bool:
         """Frees the session; False when it did not exist."""
@@ -441,13 +467,20 @@ class TargetEngine:
         """Each step's logits ``[n, vocab]`` and hidden states ``[n, hidden_size]`` (None unless it
         asked), from one forward pass: a session alone runs exactly as :meth:`_forward`."""
         if len(steps) == 1 or not self.batched:
-            return [self._forward(step.session, step.token_ids, want_hidden=step.want_hidden) for step in steps]
+            return [
+                self._forward(step.session, step.token_ids, last_only=step.last_only, want_hidden=step.want_hidden)
+                for step in steps
+            ]
         want_hidden = any(step.want_hidden for step in steps)
         try:
             with torch.inference_mode():
                 logits, hidden = ragged.forward(
-                    self.model, [step.session.cache for step in steps], [step.token_ids for step in steps],
-                    self.device, want_hidden=want_hidden,
+                    self.model,
+                    [step.session.cache for step in steps],
+                    [step.token_ids for step in steps],
+                    self.device,
+                    want_hidden=want_hidden,
+                    last_only=[step.last_only for step in steps],
                 )
         except Exception:
             # As in _forward: caches may have grown in some layers and not others.
@@ -513,7 +546,7 @@ class TargetEngine:
             self.metrics.sessions_active.labels(mode="target").set(live)
 
 
-def _unwrap(answer: Verdict | GenerateResult | Exception) -> Verdict | GenerateResult:
+def _unwrap(answer: Answer | Exception) -> Answer:
     if isinstance(answer, Exception):
         raise answer
     return answer

@@ -83,9 +83,7 @@ async def start_target(engine: TargetEngine | None, host: str = "127.0.0.1", por
 
 def run(settings: TargetSettings) -> None:
     """``tandem target``: serves until SIGINT or SIGTERM (blocking)."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     telemetry.setup_tracing("target")
     try:
         asyncio.run(serve(settings))

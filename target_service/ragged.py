@@ -88,10 +88,12 @@ def forward(
     token_ids: Sequence[Sequence[int]],
     device: torch.device | str,
     want_hidden: bool = False,
+    last_only: Sequence[bool] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Runs each session's ``token_ids`` after its cache, in one pass (the model must be
-    :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]`` and,
-    with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
+    :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]``
+    (``[1, vocab]`` where ``last_only`` says so: a prompt's other rows would cost the LM head for
+    nothing) and, with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
     if not model.config._attn_implementation.startswith(PREFIX):
         raise RuntimeError("ragged.forward needs ragged.install(model) first")
     sizes = [len(ids) for ids in token_ids]
@@ -101,6 +103,14 @@ def forward(
     positions = [kv_cache.cache_length(cache) + i for cache, size in zip(caches, sizes) for i in range(size)]
     input_ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, rows]
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, rows]
+    last_only = list(last_only) if last_only is not None else [False] * len(sizes)
+    kept = [1 if last else size for size, last in zip(sizes, last_only)]  # logit rows per session
+    logits_to_keep: int | torch.Tensor = 0  # all rows
+    if sum(kept) < len(flat):
+        ends = torch.tensor(sizes).cumsum(0)  # [sessions]
+        logits_to_keep = torch.cat([torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]).to(
+            device
+        )  # [sum(kept)] row indices
     ragged = RaggedCache(caches, sizes)
     with _active(ragged):
         out = model(
@@ -110,9 +120,9 @@ def forward(
             cache=ragged,
             use_cache=True,
             output_hidden_states=want_hidden,
-            logits_to_keep=0,
+            logits_to_keep=logits_to_keep,
         )
-    logits = list(out.logits[0].split(sizes))  # [n, vocab] each
+    logits = list(out.logits[0].split(kept))  # [n or 1, vocab] each
     hidden = list(out.hidden_states[-1][0].split(sizes)) if want_hidden else None  # [n, hidden_size] each
     return logits, hidden
 

@@ -56,8 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.attach(engine)
 
     def attach(self, engine: TargetEngine) -> None:
-        # Verify blocks and decode steps of different sessions share passes; prefill chunks and
-        # releases are separate worker calls.
+        # Prefill chunks, verify blocks and decode steps of different sessions share passes.
         self.batcher = PassBatcher(self.worker, engine.run_batch, engine.max_batched_tokens)
         self.engine = engine
 
@@ -69,11 +68,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         engine = await self._require_engine(context)
         config = convert.session_config(request.params, request.return_hidden_states)
         job = await self._call(
-            context, engine.begin_prefill, request.session_id, list(request.prompt_token_ids), config,
+            context,
+            engine.begin_prefill,
+            request.session_id,
+            list(request.prompt_token_ids),
+            config,
             request.tokenizer_fingerprint,
         )
-        # One worker call per chunk: the other sessions' passes queued meanwhile run in between.
-        while (result := await self._call(context, engine.prefill_chunk, job)) is None:
+        # One pass per chunk, shared with the other sessions waiting (a short prompt is one chunk).
+        while (result := await self._answer(context, self.batcher.run(job, len(job.next_chunk)))) is None:
             pass
         return convert.prefill_response(result)
 

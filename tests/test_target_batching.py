@@ -190,6 +190,7 @@ def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> No
     batched, alone = _engine(target, metrics=metrics), _engine(target)
     _start(batched, sessions)
     _start(alone, sessions)
+    prefills = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")  # a pass each
     rounds = 0
     while any(not batched.store.get(s).finished for s in sessions):
         rounds += 1
@@ -204,8 +205,43 @@ def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> No
             if not batched.store.get(s).finished:  # the engine's invariant, for every session of the batch
                 assert kv_cache.cache_length(batched.store.get(s).cache) == batched.store.get(s).committed_len - 1
     assert rounds >= 8
-    counts = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")
-    assert counts == rounds and metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") > 2 * rounds
+    passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_count") - prefills
+    sessions_in_passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") - prefills
+    assert passes == rounds and sessions_in_passes > 2 * rounds
+
+
+def test_prefill_chunks_share_passes_with_other_sessions_and_give_the_same_answers(target) -> None:
+    """Three prompts prefilled in chunks of 4 (past the Gemma window of 8), hidden states asked for,
+    while two sessions decode: each pass holds a chunk of every prompt and a step of every decoder.
+    The prefill answers (first token, hidden states) and the decoders' tokens equal one call at a time."""
+    decoders = {"d1": SessionConfig(max_new_tokens=30, ignore_eos=True), "d2": SessionConfig(max_new_tokens=30)}
+    batched, alone = _engine(target, prefill_chunk_tokens=4), _engine(target, prefill_chunk_tokens=4)
+    _start(batched, decoders)
+    _start(alone, decoders)
+    prompts = {f"p{i}": _tokens(60 + i, length) for i, length in enumerate((3, 10, 17))}
+    config = SessionConfig(max_new_tokens=5, return_hidden_states=True, temperature=0.8, seed=3)
+    jobs = {sid: batched.begin_prefill(sid, prompt, config) for sid, prompt in prompts.items()}
+    twins = {sid: alone.begin_prefill(sid, prompt, config) for sid, prompt in prompts.items()}
+    results: dict[str, object] = {}
+    while len(results) < len(prompts):
+        pending = [sid for sid in prompts if sid not in results]
+        calls = [jobs[sid] for sid in pending] + [DecodeStep("d1"), DecodeStep("d2")]
+        answers = batched.run_batch(calls)
+        for sid, answer in zip(pending, answers):
+            want = alone.run_batch([twins[sid]])[0]
+            assert (answer is None) == (want is None)
+            if answer is not None:
+                assert (answer.token_id, answer.committed_len, answer.finish_reason) == (
+                    want.token_id,
+                    want.committed_len,
+                    want.finish_reason,
+                )
+                torch.testing.assert_close(answer.hidden_states, want.hidden_states, atol=1e-4, rtol=1e-4)
+                assert answer.hidden_states.shape[0] == len(prompts[sid])
+                results[sid] = answer
+        for decoder, answer in zip(("d1", "d2"), answers[len(pending) :]):
+            assert answer == alone.run_batch([DecodeStep(decoder)])[0]
+    assert batched.store.get("p2").tokens == alone.store.get("p2").tokens  # the sessions joined the store
 
 
 def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
