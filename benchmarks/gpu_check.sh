@@ -2,8 +2,8 @@
 # One-shot check of the Triton kernels on a CUDA machine (the lent H200), from the repository root:
 #   bash benchmarks/gpu_check.sh            # results under $OUT (the device tool) or benchmarks/out
 # Installs nothing: it needs python3 with torch, triton, transformers, pytest and scipy.
-# 1. the kernel tests compiled on the GPU (no interpreter), GPU-marked ones included (~1-3 min,
-#    mostly compilation); 2. the benchmark of the verification kernels and compact_kv (~1-3 min);
+# 1. the kernel tests compiled on the GPU (no interpreter), GPU-marked ones included, and the
+#    target's batched passes through the tree-attention kernel (~1-3 min, mostly compilation); 2. the benchmark of the verification kernels and compact_kv (~1-3 min);
 #    3. the tree attention benchmark (~1-2 min), in its own JSON. Each step has its own time limit
 #    (270 + 200 + 120 s), so the whole run stays under 10 minutes, and a failing step does not stop
 #    the next one; the benchmark rewrites its JSON after each op group, so a step cut short keeps
@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 
 status=0
 # shellcheck disable=SC2086  # TESTS is a list of paths
-timeout 270 "$PY" -m pytest ${TESTS:-tests/test_kernel_*.py} -q -rs -p no:cacheprovider --durations=10 -o addopts="" \
+timeout 270 "$PY" -m pytest ${TESTS:-tests/test_kernel_*.py tests/test_target_batching.py} -q -rs -p no:cacheprovider --durations=10 -o addopts="" \
   2>&1 | tee "$out/tests.log" || status=1
 ops="${BENCH_OPS-verify,tree,compact_kv}"
 if [ -n "$ops" ]; then

@@ -19,8 +19,9 @@ the tree of the current forward, which the caller sets around the forward::
 Without ``tree_forward`` the block is a chain (plain causal attention), so prefill, decode and
 chain verification need nothing. The caller must give tree forwards ``position_ids =
 prefix_len + depth`` (``tree_position_ids``), and afterwards keep only the accepted path in the
-cache (``kernels.compact_kv``). Padding masks are not supported (the target runs one session per
-forward); a 4D mask passed explicitly is honoured through SDPA.
+cache (``kernels.compact_kv``). Padding masks are not supported (the target batches sessions
+without padding: ``target_service.ragged`` calls this function once per session of a pass); a 4D
+mask passed explicitly is honoured through SDPA.
 
 Backends: the Triton kernel on CUDA for blocks of at most ``MAX_KERNEL_QUERIES`` tokens, and for
 trees as large as it takes (``kernels.tree_attention.fits``); SDPA for longer chains, i.e. prompts

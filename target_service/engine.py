@@ -7,7 +7,10 @@ cut back to the new ``tokens[:-1]``. So Verify and Generate can alternate freely
 and a stale block is answered without touching anything.
 
 Not thread-safe: the server calls the engine from one dedicated worker thread, which also
-serialises the forward passes.
+serialises the forward passes. Sessions waiting together share a pass: :meth:`TargetEngine.run_batch`
+takes a verify block, a decode step or a prompt chunk from each (``target_service.batcher`` gathers
+them, ``target_service.ragged`` runs them as one forward), and answers each exactly as it would
+be answered alone.
 
 A long prompt is prefilled in chunks of ``prefill_chunk_tokens`` (:class:`PrefillJob`), one worker
 call per chunk, so the passes of the sessions already decoding run between the chunks instead of

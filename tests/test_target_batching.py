@@ -179,6 +179,19 @@ def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> No
     """Five sessions (greedy and seeded sampling) driven to their finish by mixed rounds of verify
     blocks and decode steps: batched, and one call at a time on a twin engine. Every answer, the
     committed tokens and the sampling randomness all match."""
+    _check_run_batch_matches_alone(target)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_run_batch_through_the_tree_attention_kernel(tiny_gemma_dir) -> None:
+    """On CUDA the ragged wrapper goes around the Triton tree-attention kernel (one call per session)."""
+    loaded = load_model(str(tiny_gemma_dir), device="cuda", dtype="float32")
+    assert TargetEngine(loaded).attention == ragged.PREFIX + hf_attention.NAME
+    _check_run_batch_matches_alone(loaded)
+
+
+def _check_run_batch_matches_alone(target) -> None:
     sessions = {
         "g1": SessionConfig(max_new_tokens=24, ignore_eos=True),
         "g2": SessionConfig(max_new_tokens=17, ignore_eos=True),
