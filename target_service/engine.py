@@ -12,8 +12,8 @@ takes a verify block, a decode step or a prompt chunk from each (``target_servic
 them, ``target_service.ragged`` runs them as one forward), and answers each exactly as it would
 be answered alone.
 
-A long prompt is prefilled in chunks of ``prefill_chunk_tokens`` (:class:`PrefillJob`), one worker
-call per chunk, so the passes of the sessions already decoding run between the chunks instead of
+A long prompt is prefilled in chunks of ``prefill_chunk_tokens`` (:class:`PrefillJob`), one pass
+per chunk, so the passes of the sessions already decoding run between the chunks instead of
 all waiting for the whole prompt (gemma-3-270m on 2 CPU cores: 37 s for 8192 tokens in one pass).
 It is also faster on its own: each chunk's attention covers a [chunk, context] block rather than
 [prompt, prompt] (8192 tokens: 26 s in chunks of 512), and the logits are the same (chunks of 512
