@@ -259,14 +259,8 @@ def test_prefill_chunks_share_passes_with_other_sessions_and_give_the_same_answe
 
 def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
     engine = _engine(llama)
-    _start(
-        engine,
-        {
-            "a": SessionConfig(max_new_tokens=8),
-            "b": SessionConfig(max_new_tokens=8),
-            "done": SessionConfig(max_new_tokens=1),
-        },
-    )
+    _start(engine, {"a": SessionConfig(max_new_tokens=8), "b": SessionConfig(max_new_tokens=8)})
+    _start(engine, {"done": SessionConfig(max_new_tokens=1)})
     a = engine.store.get("a")
     answers = engine.run_batch(
         [
@@ -288,14 +282,7 @@ def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
 
 def test_a_failed_batched_pass_fails_its_sessions_only(llama, monkeypatch) -> None:
     engine = _engine(llama)
-    _start(
-        engine,
-        {
-            "a": SessionConfig(max_new_tokens=8),
-            "b": SessionConfig(max_new_tokens=8),
-            "c": SessionConfig(max_new_tokens=8),
-        },
-    )
+    _start(engine, {session_id: SessionConfig(max_new_tokens=8) for session_id in ("a", "b", "c")})
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory")
