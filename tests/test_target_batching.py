@@ -56,14 +56,17 @@ def _filled_cache(model, tokens: list[int]):
 # --------------------------------------------------------------------------- ragged forward
 
 
-@pytest.mark.parametrize("inner", ["sdpa", hf_attention.NAME_REFERENCE])
-def test_a_ragged_pass_equals_each_session_run_alone(target, inner) -> None:
+@pytest.mark.parametrize("inner", ["sdpa", hf_attention.NAME_REFERENCE, hf_attention.NAME_TRITON])
+def test_a_ragged_pass_equals_each_session_run_alone(target, inner, monkeypatch) -> None:
     """Contexts of 3 to 30 tokens (the Gemma window is 8) and 1 to 5 new tokens per session:
     logits, hidden states and the caches afterwards all equal separate forwards. ``inner`` is the
-    wrapped attention: transformers' SDPA (masks given), and tandem's tree attention (builds its
-    own masks; the Triton kernel's place on CUDA)."""
+    wrapped attention: transformers' SDPA (masks given), and tandem's tree attention, its
+    reference and its Triton kernel (interpreted here), which build their own masks (the kernel is
+    what CUDA runs)."""
     model = target.model
-    if inner == hf_attention.NAME_REFERENCE:
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton consults it while launching, too
+    if inner != "sdpa":
         hf_attention.install(model, inner)
     else:
         model.set_attn_implementation(inner)
