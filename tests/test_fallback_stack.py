@@ -73,23 +73,35 @@ def test_a_draft_that_accepts_nothing_makes_sessions_fall_back_losslessly(tiny_d
 
 def test_killing_and_restarting_the_draft_mid_stream(tiny_dir, greedy, tmp_path):
     # The draft is the target itself (every draft token accepted), and measurement-based
-    # switching is off, so streams are speculating when the draft dies.
+    # switching is off, so streams are speculating when the draft dies. It dies as soon as the
+    # first stream has tokens: a tiny model speculates a whole stream in a fraction of a second
+    # (faster still with the target batching the streams' passes), so waiting for every stream's
+    # first tokens let one finish before the kill now and then.
     env = {"TANDEM_FALLBACK_ADAPTIVE": "false", "TANDEM_DRAFT_BREAKER_COOLDOWN_S": "0.5",
            "TANDEM_FALLBACK_REPROBE_TOKENS": "16"}
     with running_services(str(tiny_dir), str(tiny_dir), str(tmp_path), gateway_env=env) as services:
         cases = [greedy(prompt, 160) for prompt in PROMPTS]
         results: dict[int, tuple] = {}
         started = [threading.Event() for _ in cases]
+        kill_once = threading.Lock()
+        killed = threading.Event()
+
+        def first_tokens(i: int) -> None:
+            with kill_once:
+                if not killed.is_set():
+                    services.kill("draft")
+                    killed.set()
+            started[i].set()
 
         def stream(i: int) -> None:
-            results[i] = generate(services.grpc_address, cases[i][0], 160, on_first=started[i].set)
+            results[i] = generate(services.grpc_address, cases[i][0], 160, on_first=lambda: first_tokens(i))
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(cases))]
         for thread in threads:
             thread.start()
         for event in started:
             assert event.wait(60)
-        services.kill("draft")
+        assert killed.is_set()
         for thread in threads:
             thread.join(120)
         for i, (_, expected) in enumerate(cases):
