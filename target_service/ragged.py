@@ -45,6 +45,15 @@ class RaggedCache:
     marker: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 1, 1, 1, dtype=torch.bool))
     # layer -> each session's whole (keys, values) [1, kv_heads, its length, head_dim] after this update
     layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # (new tokens, keys, window) -> [1, 1, new tokens, keys] bool: built once per pass, not per layer
+    masks: dict[tuple[int, int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, size: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """Causal inside a slice of ``size`` new tokens after ``keys - size`` older ones, within ``window``."""
+        shape = (size, keys, window)
+        if shape not in self.masks:
+            self.masks[shape] = tree_attention_mask(None, size, keys, sliding_window=window, device=device)[:, None]
+        return self.masks[shape]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``key``/``value``: [1, kv_heads, rows, head_dim]; each session's slice goes to its cache."""
@@ -156,8 +165,7 @@ def _ragged_attention(inner: str) -> Callable:
                 if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
                     keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
                 if size > 1:  # causal inside the slice, and the window where it cuts
-                    mask = tree_attention_mask(None, size, keys.shape[2], sliding_window=window, device=q.device)
-                    mask = mask[:, None]  # [1, 1, n, keys]
+                    mask = ragged.mask(size, keys.shape[2], window, q.device)  # [1, 1, n, keys]
             out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
             outputs.append(out)
         return torch.cat(outputs, dim=1), None  # [1, rows, heads, head_dim]
