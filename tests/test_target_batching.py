@@ -5,8 +5,10 @@ get alone, on tiny random Llama and Gemma 3 (sliding window 8, contexts past it)
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -446,3 +448,20 @@ async def test_an_unknown_session_in_a_shared_pass_is_refused_alone(llama) -> No
             assert code == grpc.StatusCode.NOT_FOUND and len(tokens) == 29
     finally:
         await running.stop()
+
+
+# --------------------------------------------------------------------------- benchmarks/batched_passes.py
+
+
+def test_the_batched_passes_benchmark_runs_and_leaves_the_caches_as_they_were(tiny_dir, capsys) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "batched_passes", Path(__file__).resolve().parent.parent / "benchmarks" / "batched_passes.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(
+        ["--model", str(tiny_dir), "--sessions", "1", "3", "--rows", "1", "2", "--repeats", "2", "--context", "9"]
+    )
+    assert [(r["sessions"], r["rows"]) for r in results] == [(1, 1), (3, 1), (1, 2), (3, 2)]
+    assert all(r["batched_s"] > 0 and r["separate_s"] > 0 for r in results)
+    assert "gain" in capsys.readouterr().out
