@@ -20,14 +20,73 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # Share of the memory free after the model loaded that the KV caches may take by default.
 AUTO_BUDGET_FRACTION = 0.5
+SPARE_POSITIONS = 256  # room a layer that runs out grows by, past what it needs
+
+
+class GrowableLayer(DynamicLayer):
+    """A ``DynamicLayer`` that writes new keys and values in place instead of concatenating.
+
+    transformers' dynamic layer makes a new tensor of the whole history at every update
+    (``torch.cat``), so a decode step copies every session's whole cache once per layer, and
+    again for every session of a batched pass. This layer keeps a buffer with ``SPARE_POSITIONS``
+    of room and hands out views of its filled part: an update writes only its new positions (the
+    buffer is copied once per ``SPARE_POSITIONS`` positions), a rollback (``crop``) only moves the
+    end. ``keys``/``values`` stay the views transformers and the engine read, ``[batch, kv_heads,
+    length, head_dim]``. gemma-3-270m on a 2-core CPU, 4000 positions: a step of 4 sessions in one
+    pass 76 -> 53 ms, one session alone 48.7 -> 46.8 ms. The spare room (256 positions, 9 MB for
+    gemma-3-270m) is memory past a session's KV reservation.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None
+        self._length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        end = self._length + new
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._grow(key_states, value_states, end + SPARE_POSITIONS)
+        self._key_buffer[..., self._length : end, :] = key_states
+        self._value_buffer[..., self._length : end, :] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized:
+            self._set_length(max(0, self._length + tokens_to_remove))
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        def buffer(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            # [batch, kv_heads, capacity, head_dim]
+            fresh = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
+            if old is not None:
+                fresh[..., : self._length, :] = old[..., : self._length, :]
+            return fresh
+
+        self._key_buffer = buffer(self._key_buffer, key_states)
+        self._value_buffer = buffer(self._value_buffer, value_states)
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.keys = self._key_buffer[..., :length, :]
+        self.values = self._value_buffer[..., :length, :]
 
 
 def new_cache() -> DynamicCache:
-    """An empty cache whose layers all keep full history (see the module docstring)."""
-    return DynamicCache()
+    """An empty cache whose layers all keep full history (see the module docstring), written in
+    place (:class:`GrowableLayer`)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowableLayer
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:

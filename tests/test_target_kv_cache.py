@@ -50,3 +50,28 @@ def test_truncate_refuses_to_grow(model) -> None:
     kv_cache.truncate(cache, 3)  # no-op
     kv_cache.truncate(cache, 0)
     assert kv_cache.cache_length(cache) == 0
+
+
+def test_layers_write_in_place_and_read_as_the_concatenation_would() -> None:
+    """Random appends and rollbacks across several growths: every layer reads exactly what
+    transformers' concatenating layer reads, and growth keeps the room it promised."""
+    rng = random.Random(0)
+    ours, theirs = kv_cache.new_cache(), kv_cache.DynamicCache()
+    buffers, longest = set(), 0
+    for step in range(60):
+        n = rng.choice([1, 1, 2, 5, 40, 130])
+        for layer in range(2):
+            k, v = torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)  # [batch, kv_heads, n, head_dim]
+            got, want = ours.update(k, v, layer), theirs.update(k, v, layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert isinstance(ours.layers[0], kv_cache.GrowableLayer)
+        buffers.add(ours.layers[0]._key_buffer.data_ptr())
+        longest = max(longest, kv_cache.cache_length(ours))
+        if rng.random() < 0.5 and kv_cache.cache_length(ours) > 3:
+            keep = rng.randrange(1, kv_cache.cache_length(ours))
+            kv_cache.truncate(ours, keep)
+            kv_cache.truncate(theirs, keep)
+        assert kv_cache.cache_length(ours) == kv_cache.cache_length(theirs)
+        # a rollback keeps the room; growth never takes more than the spare past the longest
+        assert ours.layers[1]._key_buffer.shape[-2] <= longest + kv_cache.SPARE_POSITIONS
+    assert 1 < len(buffers) < 30  # it grew, but not at every step
