@@ -111,6 +111,9 @@ class _Step:
     last_only: bool = False  # logits of the last row only (a prefill chunk, a decode step)
 
 
+RAGGED_LONE_MAX_ROWS = 16  # a longer lone step (a prompt chunk) keeps transformers' causal SDPA path
+
+
 class TargetEngine:
     """Owns the target model and every session's committed tokens and KV cache."""
 
@@ -144,6 +147,10 @@ class TargetEngine:
         self.metrics = metrics
         text_config = loaded.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
+        # Past the sliding window a lone decode or verify step is cheaper through the ragged path:
+        # its sliding layers read only the window's keys, where transformers' mask makes them read
+        # every key (gemma-3-270m at 4000 positions: 37 against 47 ms a step; at 121 both ~36 ms).
+        self.ragged_after = _sliding_window(text_config) if self.batched else None
         self.verifier = select_verifier(loaded.device)
         log.info("target attention: %s; verifier: %s", self.attention, self.verifier.backend)
         self.info = EngineInfo(
@@ -468,8 +475,10 @@ class TargetEngine:
 
     def _forward_steps(self, steps: Sequence[_Step]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each step's logits ``[n, vocab]`` and hidden states ``[n, hidden_size]`` (None unless it
-        asked), from one forward pass: a session alone runs exactly as :meth:`_forward`."""
-        if len(steps) == 1 or not self.batched:
+        asked), from one forward pass. A session alone runs as :meth:`_forward` does, except a short
+        step past the sliding window, which the ragged path runs faster (the same logits up to
+        float summation order)."""
+        if not self.batched or (len(steps) == 1 and not self._ragged_pays(steps[0])):
             return [
                 self._forward(step.session, step.token_ids, last_only=step.last_only, want_hidden=step.want_hidden)
                 for step in steps
@@ -494,6 +503,14 @@ class TargetEngine:
             (rows, hidden[i] if hidden is not None and step.want_hidden else None)
             for i, (step, rows) in enumerate(zip(steps, logits))
         ]
+
+    def _ragged_pays(self, step: _Step) -> bool:
+        """Whether a session alone runs faster through ``ragged.forward`` than through :meth:`_forward`."""
+        return (
+            self.ragged_after is not None
+            and len(step.token_ids) <= RAGGED_LONE_MAX_ROWS
+            and kv_cache.cache_length(step.session.cache) > self.ragged_after
+        )
 
     def _sample(self, session: Session, logits: torch.Tensor) -> int:
         """One token from the target distribution. ``logits``: [1, vocab]."""
@@ -558,6 +575,15 @@ def _unwrap(answer: Answer | Exception) -> Answer:
 def _extends(committed: list[int], base_len: int, assumed: Sequence[int]) -> bool:
     """Whether ``committed[:base_len] + assumed`` is exactly the committed sequence."""
     return base_len + len(assumed) == len(committed) and committed[base_len:] == list(assumed)
+
+
+def _sliding_window(text_config) -> int | None:
+    """The window of the model's sliding-attention layers, or None when it has none."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None) or ()
+    if not window or "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 def _context_len(text_config, configured: int) -> int:

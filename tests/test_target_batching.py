@@ -207,6 +207,7 @@ def _check_run_batch_matches_alone(target) -> None:
     }
     metrics = make_metrics("target")
     batched, alone = _engine(target, metrics=metrics), _engine(target)
+    alone.ragged_after = None  # the twin runs every call through transformers' own path
     _start(batched, sessions)
     _start(alone, sessions)
     prefills = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")  # a pass each
@@ -227,6 +228,43 @@ def _check_run_batch_matches_alone(target) -> None:
     passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_count") - prefills
     sessions_in_passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") - prefills
     assert passes == rounds and sessions_in_passes > 2 * rounds
+
+
+def test_a_lone_step_past_the_sliding_window_takes_the_ragged_path_with_the_same_answers(gemma, llama, monkeypatch):
+    """Past the window a session alone decodes and verifies through ``ragged.forward`` (its sliding
+    layers then read only the window's keys); up to the window, for a long prompt chunk and for a
+    model with no sliding layers it keeps transformers' path. Answers equal the ordinary path's."""
+    ragged_rows = []
+    real = ragged.forward
+
+    def spy(model, caches, token_ids, *args, **kwargs):
+        ragged_rows.append([len(ids) for ids in token_ids])
+        return real(model, caches, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(ragged, "forward", spy)
+    engine, ordinary = _engine(gemma, prefill_chunk_tokens=0), _engine(gemma, prefill_chunk_tokens=0)
+    ordinary.ragged_after = None
+    assert engine.ragged_after == gemma.model.config.get_text_config().sliding_window == 8
+    config = SessionConfig(max_new_tokens=40, ignore_eos=True, return_hidden_states=True)
+    for e in (engine, ordinary):
+        e.prefill("s", _tokens(3, 5), config)  # inside the window
+    assert ragged_rows == []  # the prompt, and...
+    assert engine.generate("s", 2) == ordinary.generate("s", 2)
+    assert ragged_rows == []  # ...steps up to the window go the ordinary way
+    for round_ in range(12):
+        if round_ % 3 == 0:
+            assert engine.generate("s", 1) == ordinary.generate("s", 1)
+        else:
+            session = engine.store.get("s")
+            block = DraftBlock("s", session.committed_len, tuple(_tokens(round_, 1 + round_ % 4)), block_id=round_)
+            assert _same(engine.verify(block), ordinary.verify(block))
+        assert engine.store.get("s").tokens == ordinary.store.get("s").tokens
+    assert len(ragged_rows) >= 10 and all(len(rows) == 1 for rows in ragged_rows)
+    ragged_rows.clear()
+    for e in (engine, ordinary):
+        e.prefill("long", _tokens(4, 30), SessionConfig(max_new_tokens=4))  # one 30-token chunk
+    assert ragged_rows == []
+    assert _engine(llama).ragged_after is None  # no sliding layers: nothing to gain
 
 
 def test_prefill_chunks_share_passes_with_other_sessions_and_give_the_same_answers(target) -> None:

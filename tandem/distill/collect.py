@@ -33,6 +33,7 @@ class CollectConfig:
     gen_batch: int = 16  # prompts per batched greedy generation
     gen_new_tokens: int = 128
     gen_every: int = 4  # one generation job every gen_every jobs
+    code_prefix_share: float = 0.5  # of generation prompts: stdlib function openings instead of templates
     chunks_per_doc: int = 4  # at most this many chunks of one document (diversity under a time budget)
     heldout_gen_batches: int = 1  # held-out generation jobs, collected first
     heldout_batches: int = 2  # held-out offline jobs, collected next
@@ -195,7 +196,7 @@ def _chunks(runner: TargetRunner, docs: Iterator, config: CollectConfig) -> Iter
 def job_stream(runner: TargetRunner, config: CollectConfig, seed: int) -> Iterator[Job]:
     """Held-out jobs (generation, then offline) first, then training jobs forever."""
     for heldout in (True, False):
-        prompts = generation_prompts(seed, heldout)
+        prompts = generation_prompts(seed, heldout, config.code_prefix_share)
         chunks = _chunks(runner, offline_documents(seed, heldout), config)
         indices = range(config.heldout_gen_batches + config.heldout_batches) if heldout else itertools.count()
         for i in indices:

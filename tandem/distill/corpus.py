@@ -181,7 +181,73 @@ def generation_prompt(rng: random.Random, heldout: bool) -> str:
     return rng.choice(templates)
 
 
-def generation_prompts(seed: int, heldout: bool) -> Iterator[str]:
+# ---- code prefixes cut from the standard library (the target continues real code, as when serving) ----
+
+_MAX_PREFIX_LINES = 14
+
+
+def _function_prefixes(text: str) -> list[str]:
+    """Every function's opening in one source file: its signature, and its docstring or first body lines.
+
+    A method keeps its class line above it, so the target sees the indentation it would in a file.
+    Templated prompts cover a few dozen shapes; these cover thousands of real ones, which is what a
+    head needs to agree with the target on code it has not seen.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    prefixes = []
+
+    def visit(node: ast.AST, owner: str | None) -> None:  # module-level functions and classes' methods
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef) and owner is None and child.col_offset == 0:
+                visit(child, lines[child.lineno - 1])
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.body:
+                first = child.body[0]
+                has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str)
+                # with no docstring: the signature alone, or one body line too (alternating by position)
+                end = first.end_lineno if has_doc else first.lineno - 1 + child.lineno % 2
+                start = child.lineno  # the def line (decorators left out)
+                if end is None or end - start + 1 > _MAX_PREFIX_LINES:
+                    end = first.lineno - 1  # only the signature
+                body = lines[start - 1 : end]
+                if not body or end - start + 1 > _MAX_PREFIX_LINES:
+                    continue
+                head = [owner] if owner is not None else []
+                prefixes.append("\n".join(head + body) + "\n")
+
+    visit(tree, None)
+    return prefixes
+
+
+def code_prefix_prompts(seed: int, heldout: bool) -> Iterator[str]:
+    """An endless, deterministic stream of function openings from stdlib files (held out by path)."""
+    rng = random.Random(seed * 15485863 + (1 if heldout else 0))
+    files = [f for f in stdlib_files(heldout) if not {"test", "tests", "idle_test"} & set(f.parts)]
+    rng.shuffle(files)
+    index = 0
+    while files:
+        path = files[index % len(files)]
+        index += 1
+        try:
+            prefixes = _function_prefixes(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue
+        rng.shuffle(prefixes)
+        yield from prefixes[:4]  # a few per file, so a time budget still sees many files
+
+
+def generation_prompts(seed: int, heldout: bool, code_prefix_share: float = 0.0) -> Iterator[str]:
+    """Templated prompts, with ``code_prefix_share`` of them replaced by stdlib function openings."""
     rng = random.Random(seed * 104729 + (1 if heldout else 0))
+    code = code_prefix_prompts(seed, heldout) if code_prefix_share > 0 else None
     while True:
-        yield generation_prompt(rng, heldout)
+        if code is not None and rng.random() < code_prefix_share:
+            yield next(code)
+        else:
+            yield generation_prompt(rng, heldout)

@@ -1,0 +1,68 @@
+"""What ``tandem distill`` generates from: function openings cut from stdlib sources, held out by file."""
+
+from __future__ import annotations
+
+import itertools
+
+from tandem.distill.corpus import _function_prefixes, code_prefix_prompts, generation_prompts
+
+SOURCE = '''\
+import os
+
+
+def plain(a, b):
+    total = a + b
+    return total
+
+
+def documented(path):
+    """Read path.
+
+    Returns its text.
+    """
+    with open(path) as f:
+        return f.read()
+
+
+class Store:
+    def __init__(self, root):
+        self.root = root
+        self.items = {}
+
+    async def fetch(self, key,
+                    default=None):
+        return self.items.get(key, default)
+'''
+
+
+def test_function_prefixes_keep_the_signature_with_a_docstring_or_a_first_line() -> None:
+    prefixes = _function_prefixes(SOURCE)
+    assert prefixes == [
+        "def plain(a, b):\n",  # no docstring: the signature alone or with one body line, by position
+        'def documented(path):\n    """Read path.\n\n    Returns its text.\n    """\n',
+        "class Store:\n    def __init__(self, root):\n        self.root = root\n",  # a method keeps its class line
+        (
+            "class Store:\n    async def fetch(self, key,\n                    default=None):\n"
+            "        return self.items.get(key, default)\n"
+        ),
+    ]
+    assert _function_prefixes("def broken(:\n") == []
+
+
+def test_code_prefix_prompts_are_deterministic_and_held_out_by_file() -> None:
+    train = list(itertools.islice(code_prefix_prompts(0, heldout=False), 300))
+    assert train == list(itertools.islice(code_prefix_prompts(0, heldout=False), 300))
+    assert train != list(itertools.islice(code_prefix_prompts(1, heldout=False), 300))
+    heldout = list(itertools.islice(code_prefix_prompts(0, heldout=True), 300))
+    assert all(p.lstrip().startswith(("def ", "async def ", "class ")) for p in train + heldout)
+    assert len(set(train)) > 250
+    assert len(set(train) & set(heldout)) < 15  # only openings common to many files (`def __init__(self):`)
+
+
+def test_generation_prompts_mix_templates_and_code_prefixes_by_share() -> None:
+    templated = list(itertools.islice(generation_prompts(0, False), 200))
+    assert templated == list(itertools.islice(generation_prompts(0, False, code_prefix_share=0.0), 200))
+    mixed = list(itertools.islice(generation_prompts(0, False, code_prefix_share=0.5), 400))
+    code = set(itertools.islice(code_prefix_prompts(0, False), 400))
+    assert 120 < sum(p in code for p in mixed) < 280
+    assert all(p in code for p in itertools.islice(generation_prompts(0, False, code_prefix_share=1.0), 50))
