@@ -168,6 +168,7 @@ def _ragged_attention(inner: str) -> Callable:
                     mask = ragged.mask(size, keys.shape[2], window, q.device)  # [1, 1, n, keys]
             out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
             outputs.append(out)
-        return torch.cat(outputs, dim=1), None  # [1, rows, heads, head_dim]
+        # [1, rows, heads, head_dim] (a lone session's output as is: no copy on its hot path)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     return attention

@@ -9,6 +9,7 @@ halves of the word lists), so held-out agreement is measured on text the head ne
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import random
@@ -193,8 +194,6 @@ def _function_prefixes(text: str) -> list[str]:
     Templated prompts cover a few dozen shapes; these cover thousands of real ones, which is what a
     head needs to agree with the target on code it has not seen.
     """
-    import ast
-
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -204,7 +203,7 @@ def _function_prefixes(text: str) -> list[str]:
 
     def visit(node: ast.AST, owner: str | None) -> None:  # module-level functions and classes' methods
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef) and owner is None and child.col_offset == 0:
+            if isinstance(child, ast.ClassDef) and owner is None:
                 visit(child, lines[child.lineno - 1])
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.body:
                 first = child.body[0]
