@@ -1,40 +1,43 @@
-"""Linear layers on CPU as weights-stationary products for the few rows decoding computes.
+"""Linear layers on CPU, for the few rows decoding computes and the many a prefill does.
 
 Decoding multiplies 1 to k+1 rows by every weight matrix, so a step is bound by reading the
 weights once (gemma-3-270m in float32: 400 MB of layers and a 671 MB [262144, 640] LM head).
-``F.linear(x, W)`` computes ``x @ W.T``, and for a handful of rows MKL's transposed-B path runs
-far below memory bandwidth; ``(W @ x.T).T`` streams W row by row instead. Measured on a 2-core
-AVX-512 machine for the gemma LM head: 41 ms for one row and 88 ms for six with ``F.linear``, 19 ms
-for one to four rows and 36 ms for six this way. A whole gemma-3-270m forward pass falls from 70 to
-37 ms for one token and from 123 to 42 ms for four. MKL's one- and three-column products are slower
-than its two- and four-column ones, so odd chunks get one row of padding, and rows go in chunks of
-four, the widest product MKL runs at bandwidth (five to eight columns cost as much as two chunks).
+``F.linear`` goes to MKL, whose float32 GEMM on the AMD CPUs we run on takes a slow path: for the
+gemma LM head 42 ms for one row, 74-91 ms for two to eight, against the 9 ms that reading 671 MB
+can take. oneDNN (``torch.ops.mkldnn``, the library inductor's CPU freezing pass uses) runs the
+same product from a copy of the weight reordered once into its blocked layout: 8.9 ms for one
+row, 10.4 for four, 13.1 for eight, and 2-2.5x faster than ``F.linear`` for the layers' weights at
+every row count up to a 512-token prefill (measured on the 2-core AVX-512 EPYC, caches flushed).
+A whole gemma-3-270m forward pass after 100 tokens falls from 36 / 40 / 71 ms (1 / 4 / 8 tokens,
+through the weights-stationary path below) to 24 / 28.5 / 32.5 ms. So wide verification passes
+become cheap: eight tokens cost 1.35 passes of one instead of two.
 
-It is the same arithmetic up to float summation order (differences ~1e-5 on logits of ~30, the
-size of the differences ``F.linear`` itself has between one row and six, and MKL's two- and
-four-column products between each other), and the engine computes every logit of a session,
-autoregressive or verifying, through this one path.
+``install_cpu_linears`` gives every float32 CPU ``nn.Linear`` such a packed copy (the weight's
+size once more: 1.07 GB for gemma-3-270m, whose tied embedding must keep its plain layout for
+lookups) and routes its inference calls through it; a weight changed later is packed again at its
+next call. It is the same arithmetic up to float summation order (differences ~1e-4 on logits of
+~30, like those between ``F.linear`` over one row and over six), and the engine computes every
+logit of a session, autoregressive or verifying, through this one path.
 
-Four-column products over a long inner dimension fall off that path: gemma's MLP down projection
-([640, 2048]) takes 0.33 ms for four rows against 0.14 ms for two, while its [640, 1024] attention
-output projection costs the same for both (one row panel of four columns past 16 KB, it seems,
-leaves the L1 cache). Such weights also keep a copy cut along the inner dimension into contiguous
-[out, 1024] slices, and four-column products sum the slices' products: 0.14 ms again, so a forward
-pass over three or four tokens falls from 41-45 to 37-40 ms (one or two tokens: 35-37 ms, unchanged;
-measured interleaved in one process).
-The copy costs the weight's size once more (94 MB for gemma-3-270m), so it is made only up to
-``MAX_SPLIT_BYTES`` per model, and it is taken when installed: weights changed later (in place,
-outside autograd) need ``install_cpu_linears`` again.
+Where the packed product is missing (a torch built without oneDNN) or fails its check at install,
+the weights-stationary ``few_row_linear`` below serves the few-row calls instead. ``F.linear(x, W)``
+computes ``x @ W.T``, and for a handful of rows MKL's transposed-B path runs far below memory
+bandwidth; ``(W @ x.T).T`` streams W row by row: 19 ms for one to four rows of the gemma LM head,
+36 ms for six. MKL's one- and three-column products are slower than its two- and four-column ones,
+so odd chunks get one row of padding, and rows go in chunks of four, the widest product MKL runs
+at bandwidth. Four-column products over a long inner dimension fall off that path (gemma's
+[640, 2048] down projection: 0.33 ms for four rows against 0.14 ms for two), so such weights keep a
+copy cut along the inner dimension into contiguous [out, 1024] slices, up to ``MAX_SPLIT_BYTES``
+per model, and four-column products sum the slices' products (taken at install: weights changed
+later need ``install_cpu_linears`` again). That path hands the LM head's logits back as the
+transposed view of the product ([rows, vocab] with strides (1, columns)): consumers reduce over
+the vocabulary, which reads a strided row as fast, and copying 262k x 2 or 4 floats cost 0.8 to
+1.3 ms of a pass.
 
-The LM head hands back its logits as the transposed view of the product ([rows, vocab] with
-strides (1, columns)) rather than a contiguous copy: consumers reduce over the vocabulary
-(argmax, softmax), which reads a strided row as fast, and copying 262k x 2 or 4 floats cost 0.8 to
-1.3 ms of a gemma-3-270m pass. Layers inside the model keep contiguous outputs, which the
-attention code reshapes with ``view``.
-
-Only float32 weights on CPU in inference are changed: bfloat16 already runs at bandwidth there,
-CUDA has its own GEMMs, and training keeps autograd's usual path. Products of more than
-``MAX_ROWS`` rows (prefill) keep ``F.linear``, whose blocked GEMM is as fast there.
+Only CPU weights in inference are changed: CUDA has its own GEMMs, and training keeps autograd's
+usual path. The model loader packs float32 layers; the eagle drafter packs its bfloat16 head the
+same way (``dtype``), which halves a draft step there (0.34 against 0.68 ms for 8192 LM-head rows
+on one thread); bfloat16 layers without a packed copy keep their own kernels.
 """
 
 from __future__ import annotations
@@ -47,33 +50,100 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+PACK_ROWS_HINT = 4  # the row count oneDNN lays a packed weight out for (1 made 4-8 rows 2x slower; 4 and 16 alike)
 CHUNK_ROWS = 4  # the widest product MKL runs at memory bandwidth (measured: 5 to 8 cost 2 passes)
-MAX_ROWS = 16  # beyond this F.linear is as fast (measured crossover: 12 to 24 rows)
+MAX_ROWS = 16  # beyond this F.linear is as fast as the weights-stationary product (crossover: 12 to 24 rows)
 K_SLICE = 1024  # inner-dimension slice of the split copies (four columns x 1024 floats: 16 KB)
 MAX_SPLIT_BYTES = 256 * 2**20  # the most memory the split copies of one model may take
+_CHECK_ROWS = 64  # output features compared with a plain product when a packed copy is made
+_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # rtol = atol of that comparison
 
 
-def install_cpu_linears(model: torch.nn.Module, device: str) -> int:
-    """Makes every float32 ``nn.Linear`` of a CPU model use ``few_row_linear``; returns how many."""
+def install_cpu_linears(model: torch.nn.Module, device: str, dtype: torch.dtype = torch.float32) -> int:
+    """Makes every ``nn.Linear`` of a CPU model whose weight is ``dtype`` compute through oneDNN's
+    packed copy of its weight; returns how many layers it changed.
+
+    Without a packed copy, float32 layers use ``few_row_linear`` and other dtypes ``F.linear``.
+    """
     if torch.device(device).type != "cpu":
         return 0
     installed = 0
-    split_bytes = 0
+    packed_bytes = split_bytes = 0
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
-            module.forward = MethodType(_linear_forward, module)
+        if not isinstance(module, torch.nn.Linear) or module.weight.dtype != dtype:
+            continue
+        weight = module.weight.detach()
+        size = weight.numel() * weight.element_size()
+        module.packed_weight = PackedWeight()
+        if module.packed_weight.get(module.weight) is not None:  # packed now, not at the first request
+            packed_bytes += size
+        elif dtype != torch.float32:
+            continue
+        else:
             module.few_row_contiguous = module is not head
-            installed += 1
-            weight = module.weight
-            size = weight.numel() * weight.element_size()
             if weight.shape[1] > K_SLICE and split_bytes + size <= MAX_SPLIT_BYTES:
-                module.few_row_slices = split_inner(weight.detach())
+                module.few_row_slices = split_inner(weight)
                 split_bytes += size
-    log.debug("%d linear layers use the weights-stationary few-row product (%.0f MB of split copies)",
-              installed, split_bytes / 2**20)
+        module.forward = MethodType(_linear_forward, module)
+        installed += 1
+    log.debug("%d %s linear layers: %.0f MB of oneDNN-packed weights, %.0f MB of split copies",
+              installed, dtype, packed_bytes / 2**20, split_bytes / 2**20)
     return installed
+
+
+class PackedWeight:
+    """oneDNN's packed copy of one layer's weight, made again when the weight has changed since
+    (in place, by ``Module.to``, or as a ``copy.deepcopy`` of the model, which cannot copy oneDNN's
+    opaque tensors and gets an empty holder instead)."""
+
+    def __init__(self) -> None:
+        self._packed: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of ``weight`` as it is now, or None where it cannot have one."""
+        key = _identity(weight)
+        if key != self._key:
+            self._packed, self._key = pack_weight(weight.detach()), key
+        return self._packed
+
+    def __deepcopy__(self, memo: dict) -> PackedWeight:
+        return PackedWeight()
+
+
+def _identity(weight: torch.Tensor) -> tuple:
+    try:
+        version = weight._version  # bumped by every in-place change
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change in place)
+        version = -1
+    return weight.data_ptr(), weight.dtype, tuple(weight.shape), version
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 or bfloat16 CPU ``weight`` [out, in] for ``packed_linear``,
+    or None where this torch cannot make one or its product does not match a plain one."""
+    if weight.device.type != "cpu" or weight.dtype not in _CHECK_TOLERANCE:
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        probe = torch.linspace(-1.0, 1.0, 2 * weight.shape[1]).view(2, -1).to(weight.dtype)  # [2, in]
+        got = packed_linear(probe, packed)[:, :_CHECK_ROWS].float()  # [2, check]
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        log.info("no oneDNN-packed %s linear weights in this torch (%s)", weight.dtype, exc)
+        return None
+    expected = probe.float() @ weight[:_CHECK_ROWS].float().T  # [2, check]
+    tolerance = _CHECK_TOLERANCE[weight.dtype]
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
+        log.warning("oneDNN's packed %s product disagrees with a plain one; not using it", weight.dtype)
+        return None
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from ``pack_weight(weight)``; x [..., in] -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def split_inner(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,5 +204,18 @@ def _sliced_product(slices: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tor
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_row_linear(x, self.weight, self.bias, getattr(self, "few_row_slices", None),
-                          getattr(self, "few_row_contiguous", True))
+    weight = self.weight
+    if (
+        x.dim() > 1
+        and x.numel() > 0
+        and x.dtype == weight.dtype
+        and x.device.type == weight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    ):
+        packed = self.packed_weight.get(weight)
+        if packed is not None:
+            return packed_linear(x, packed, self.bias)
+    if weight.dtype == torch.float32:
+        return few_row_linear(x, weight, self.bias, getattr(self, "few_row_slices", None),
+                              getattr(self, "few_row_contiguous", True))
+    return F.linear(x, weight, self.bias)

@@ -1,4 +1,5 @@
-"""The weights-stationary few-row linear computes what F.linear computes, and only where it should."""
+"""The CPU linears (oneDNN-packed weights, or the weights-stationary few-row product without them)
+compute what F.linear computes, and only where they should."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import cpu_linear
-from tandem.cpu_linear import K_SLICE, MAX_ROWS, few_row_linear, install_cpu_linears, split_inner
+from tandem.cpu_linear import K_SLICE, MAX_ROWS, few_row_linear, install_cpu_linears, pack_weight, packed_linear, split_inner
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, MAX_ROWS, MAX_ROWS + 1, 40])
@@ -35,7 +36,82 @@ def test_products_over_inner_slices_match_f_linear(rows: int) -> None:
     torch.testing.assert_close(few_row_linear(x, weight, b, slices), F.linear(x, weight, b), rtol=1e-4, atol=1e-3)
 
 
-def test_long_inner_weights_get_split_copies_within_the_budget(monkeypatch) -> None:
+@pytest.fixture
+def no_packing(monkeypatch):
+    """A torch whose packed product fails (as where oneDNN is missing): the few-row path serves."""
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(cpu_linear, "packed_linear", unavailable)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_matches_f_linear(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 48, generator=gen)  # [out, in]
+    b = torch.randn(300, generator=gen) if bias else None  # [out]
+    packed = pack_weight(weight)
+    assert packed is not None
+    x = torch.randn(1, rows, 48, generator=gen)  # [batch, rows, in]
+    got = packed_linear(x, packed, b)  # [1, rows, out]
+    assert got.shape == (1, rows, 300)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(48, rows, generator=gen).T  # [rows, in], not contiguous
+    torch.testing.assert_close(packed_linear(strided, packed, b), F.linear(strided, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_installed_layers_compute_through_the_packed_copy_in_inference_only() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 3))
+    x = torch.randn(2, 5, 8)  # [batch, rows, in]
+    with torch.inference_mode():
+        expected = model(x)
+    assert install_cpu_linears(model, "cpu") == 2
+    assert all(layer.packed_weight.get(layer.weight) is not None for layer in (model[0], model[2]))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x[0, 0]), expected[0, 0], rtol=1e-5, atol=1e-5)  # a vector
+        assert model(x[:, :0]).shape == (2, 0, 3)  # no rows
+    # A weight changed after install is packed again before it is used.
+    with torch.no_grad():
+        model[2].weight.zero_()
+    with torch.inference_mode():
+        assert torch.equal(model(x), model[2].bias.expand(2, 5, 3))
+
+
+def test_a_copied_or_converted_model_computes_with_its_own_weights() -> None:
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 3))
+    install_cpu_linears(model, "cpu")
+    x = torch.randn(4, 8)
+    twin = copy.deepcopy(model)  # oneDNN's opaque tensors cannot be copied: the twin packs its own
+    with torch.no_grad():
+        twin[0].weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin[0](x), F.linear(x, twin[0].weight, twin[0].bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+        low = twin.to(torch.bfloat16)
+        reference = F.linear(F.silu(F.linear(x.bfloat16(), low[0].weight, low[0].bias)), low[2].weight, low[2].bias)
+        torch.testing.assert_close(low(x.bfloat16()), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_packed_copy_that_disagrees_is_not_used(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_linear, "packed_linear", lambda x, packed, bias=None: torch.zeros(x.shape[0], 4))
+    assert pack_weight(torch.randn(4, 6)) is None
+
+
+def test_without_packing_the_few_row_product_serves(no_packing) -> None:
+    layer = torch.nn.Linear(6, 10)
+    assert install_cpu_linears(layer, "cpu") == 1
+    assert layer.packed_weight.get(layer.weight) is None
+    x = torch.randn(3, 6)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_long_inner_weights_get_split_copies_within_the_budget(monkeypatch, no_packing) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2 * K_SLICE, 8), torch.nn.Linear(8, 2 * K_SLICE),
                                 torch.nn.Linear(2 * K_SLICE, 8))
     one = 8 * 2 * K_SLICE * 4  # bytes of one [8, 2048] float32 weight
@@ -104,5 +180,14 @@ def test_installed_by_the_model_loader(tiny_dir) -> None:
     loaded = load_model(str(tiny_dir), device="cpu", dtype="float32")
     head = loaded.model.get_output_embeddings()
     assert "forward" in vars(head)  # the instance's own forward, not nn.Linear's
-    assert head.few_row_contiguous is False
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.packed_weight.get(m.weight) is not None for m in linears)
+
+
+def test_without_packing_the_loader_keeps_the_head_logits_a_strided_view(tiny_dir, no_packing) -> None:
+    from tandem.models import load_model
+
+    loaded = load_model(str(tiny_dir), device="cpu", dtype="float32")
+    head = loaded.model.get_output_embeddings()
+    assert head.packed_weight.get(head.weight) is None and head.few_row_contiguous is False
     assert all(m.few_row_contiguous for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
