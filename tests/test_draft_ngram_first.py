@@ -96,7 +96,7 @@ def test_spec_resolution(llama, head, tmp_path: Path) -> None:
     assert isinstance(made, NgramFirstProposer)
     assert (made.kind, made.wants_hidden_states) == ("ngram+eagle", True)
     assert made.model_name == f"eagle:{head.name}" and made.tokenizer_fingerprint
-    assert made.head_k == 1  # --eagle-k's default
+    assert made.head_k == 3  # --eagle-k's default
     settings = DraftSettings(draft_model=spec, target_model=str(llama.hf_dir), device="cpu", eagle_k=0)
     assert make_proposer(settings, target_info(llama)).head_k == 0
 

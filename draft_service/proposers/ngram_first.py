@@ -13,13 +13,13 @@ for hidden states, whoever drafted it. Which drafter runs is decided from the co
 only, and each block carries the q of the drafter that made it (one-hot for lookup, the head's
 sparse q when sampling), so rejection sampling stays exact.
 
-The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 1), fewer than lookup's
-K. Its deeper drafts are accepted less often (0.49, 0.39, 0.36 by depth for the shipped head),
-while on a CPU they make the target's pass wider and each head step costs 1 to 2 ms right after a
-target pass. Measured live, 12 bench prompts, 64 tokens: 45.1 tokens/s with 1 head draft, 44.4
-with 2, 43.8 with 3, 42.5 for lookup alone, when a 4-token verification took 45 ms against 38 ms
-for 2; with 4-token passes down to 39 ms (``tandem.cpu_linear``), 47.8, 47.5 and 47.0 tokens/s for
-1, 2 and 3 head drafts (noise is about 2%): still no gain from deeper head drafts.
+The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 3), fewer than lookup's
+K (default 7), and stops early where it doubts its own draft (``--eagle-min-confidence``, default
+0.5). Its deeper drafts are accepted less often (0.74, 0.52, 0.38 by depth on held-out text for
+the shipped head). While a 4-token verification cost 39 ms against 36 ms for one on a CPU, one
+head draft was best; since passes over up to 8 tokens cost 25 to 34 ms (``tandem.cpu_linear``),
+three drafts with the confidence floor and K=7 for lookup gave 1.96x of autoregressive decoding on
+the bench prompts against 1.80x for one draft and K=3 (two interleaved ``tandem bench`` runs each).
 """
 
 from __future__ import annotations
