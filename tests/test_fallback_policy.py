@@ -297,3 +297,18 @@ def test_a_failure_while_half_open_reopens_with_a_longer_cooldown():
     clock.now += 0.5
     breaker.probe(True)
     assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_default_settings_keep_long_blocks_that_pay_though_most_drafts_fail():
+    """With the default K (7) a block usually fails past its first drafts, yet pays when rounds are
+    cheap: the default acceptance floor must not send such a session back to plain decoding."""
+    from tandem.config import DEFAULT_K, GatewaySettings
+
+    c = controller(step_s=0.027, config=AdaptiveConfig.from_settings(GatewaySettings()))
+    for _ in range(8):  # 2 of 7 accepted + the target's token, 3 tokens in 33 ms
+        c.observe_round(Round(committed=3, drafted=DEFAULT_K, accepted=2, seconds=0.033))
+    assert c.stats().acceptance < 0.3
+    assert c.next_leg()[1] is None
+    for _ in range(8):  # a hopeless draft still falls back
+        c.observe_round(Round(committed=1, drafted=DEFAULT_K, accepted=0, seconds=0.02))
+    assert c.next_leg()[1] == Decision(AR, LOW_ACCEPTANCE)
