@@ -9,8 +9,8 @@ same product from a copy of the weight reordered once into its blocked layout: 8
 row, 10.4 for four, 13.1 for eight, and 2-2.5x faster than ``F.linear`` for the layers' weights at
 every row count up to a 512-token prefill (measured on the 2-core AVX-512 EPYC, caches flushed).
 A whole gemma-3-270m forward pass after 100 tokens falls from 36 / 40 / 71 ms (1 / 4 / 8 tokens,
-through the weights-stationary path below) to 24 / 28.5 / 32.5 ms. So wide verification passes
-become cheap: eight tokens cost 1.35 passes of one instead of two.
+through the weights-stationary path below) to 25 / 28 / 34 ms. So wide verification passes
+become cheap: eight tokens cost 1.4 passes of one instead of two.
 
 ``install_cpu_linears`` gives every float32 CPU ``nn.Linear`` such a packed copy (the weight's
 size once more: 1.07 GB for gemma-3-270m, whose tied embedding must keep its plain layout for
@@ -95,8 +95,9 @@ def install_cpu_linears(model: torch.nn.Module, device: str, dtype: torch.dtype 
 
 class PackedWeight:
     """oneDNN's packed copy of one layer's weight, made again when the weight has changed since
-    (in place, by ``Module.to``, or as a ``copy.deepcopy`` of the model, which cannot copy oneDNN's
-    opaque tensors and gets an empty holder instead)."""
+    (in place, by ``Module.to``, replaced, or as a ``copy.deepcopy`` of the model, which cannot copy
+    oneDNN's opaque tensors and gets an empty holder instead). Writes through ``weight.data`` escape
+    the version counter that tells: after those, call ``install_cpu_linears`` again."""
 
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
@@ -118,7 +119,7 @@ def _identity(weight: torch.Tensor) -> tuple:
         version = weight._version  # bumped by every in-place change
     except RuntimeError:  # an inference tensor has no version counter (and cannot change in place)
         version = -1
-    return weight.data_ptr(), weight.dtype, tuple(weight.shape), version
+    return id(weight), weight.data_ptr(), weight.dtype, tuple(weight.shape), version
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
