@@ -15,7 +15,8 @@ from tandem.models import DEFAULT_TARGET
 # for a target tandem ships a head for; prompt lookup alone (ngram) for any other target
 # (tandem.models.resolve_draft_spec). On the default pair, 24 bench prompts, one run each: 1.74x of
 # autoregressive decoding and 1.07x of transformers' assisted generation, against 1.63x and 0.97x
-# for ngram alone (1.81x and 1.05x since 3- and 4-token passes got cheaper, and the peer with them).
+# for ngram alone (1.81x and 1.05x since 3- and 4-token passes got cheaper, and the peer with them;
+# 1.98x and 1.10x with oneDNN-packed weights and K=7).
 DEFAULT_DRAFT = "auto"
 # On a 2-core CPU a gemma-3-270m pass reads the weights once whatever the rows (tandem.cpu_linear):
 # 25, 28 and 34 ms for 1, 4 and 8 tokens. So long blocks are cheap, and prompt lookup's long
