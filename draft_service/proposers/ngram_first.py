@@ -17,9 +17,8 @@ The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 3), fe
 K (default 7), and stops early where it doubts its own draft (``--eagle-min-confidence``, default
 0.5). Its deeper drafts are accepted less often (0.74, 0.52, 0.38 by depth on held-out text for
 the shipped head). While a 4-token verification cost 39 ms against 36 ms for one on a CPU, one
-head draft was best; since passes over up to 8 tokens cost 25 to 34 ms (``tandem.cpu_linear``),
-three drafts with the confidence floor and K=7 for lookup gave 1.96x of autoregressive decoding on
-the bench prompts against 1.80x for one draft and K=3 (two interleaved ``tandem bench`` runs each).
+head draft was best; now that passes over up to 8 tokens cost little more than one
+(``tandem.cpu_linear``), three are (measured in ``tandem.config`` beside ``DEFAULT_K``).
 """
 
 from __future__ import annotations
