@@ -110,6 +110,13 @@ class DraftSettings(_Base):
         description="in ngram+eagle, the most tokens the eagle head drafts in a block where lookup has none "
         "(0 = the block's K); its drafts past the third are accepted too rarely to pay for their steps",
     )
+    eagle_overrule_confidence: float = Field(
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="in ngram+eagle, a lookup block copied after a match of a single token gives way to the head "
+        "when the head's own next token differs and it gives it at least this probability (0 = never)",
+    )
     eagle_vocab: int = Field(
         8192,
         ge=0,

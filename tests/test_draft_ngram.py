@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from draft_service.proposers.ngram import NgramProposer, find_continuation
+from draft_service.proposers.ngram import NgramProposer, find_continuation, find_match
 from draft_service.types import SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -34,6 +34,20 @@ def test_no_recurring_suffix_finds_nothing():
     # With ngram_min 2, a single recurring token is not enough.
     assert lookup([1, 5, 2, 5], ngram_min=2) is None
     assert lookup([1, 5, 2, 5], ngram_min=1) == 2
+
+
+def test_the_match_length_comes_with_the_lookup():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 5, 3, 8, 1, 2, 3]
+    assert find_match(np.asarray(tokens, dtype=np.int64), 4, 1) == (3, 3)
+    assert find_match(np.asarray([4, 7, 6, 7], dtype=np.int64), 4, 1) == (2, 1)
+    assert find_match(np.asarray([1, 2, 3], dtype=np.int64), 4, 1) is None
+    session = NgramProposer().new_session([4, 7, 6, 7], GREEDY)
+    assert session.lookup(3) == (session.propose(3), 1)
+    assert session.lookup(3)[0].token_ids == (6, 7, 6)  # the copied span repeats past the end
+    assert session.lookup(0)[1] == 0
+    session = NgramProposer().new_session([1, 2, 3], GREEDY)
+    assert session.lookup(3)[0].token_ids == () and session.lookup(3)[1] == 0
 
 
 def test_proposes_what_followed_capped_at_k():

@@ -97,6 +97,7 @@ def test_spec_resolution(llama, head, tmp_path: Path) -> None:
     assert (made.kind, made.wants_hidden_states) == ("ngram+eagle", True)
     assert made.model_name == f"eagle:{head.name}" and made.tokenizer_fingerprint
     assert made.head_k == 3  # --eagle-k's default
+    assert made.overrule_confidence == 0.3  # --eagle-overrule-confidence's default
     settings = DraftSettings(draft_model=spec, target_model=str(llama.hf_dir), device="cpu", eagle_k=0)
     assert make_proposer(settings, target_info(llama)).head_k == 0
 
@@ -142,3 +143,62 @@ def test_the_head_drafts_at_most_head_k_tokens_and_lookup_keeps_k(llama, head) -
         assert session.propose(3).token_ids == (8, 9, 10)
     with pytest.raises(ValueError, match="head_k"):
         NgramFirstProposer(NgramProposer(), load_eagle(head, llama), head_k=-1)
+
+
+def test_the_heads_first_draft_is_its_proposals_first_token_and_is_reused(llama, head) -> None:
+    hidden = torch.randn(2, llama.model.config.hidden_size)  # [2, hidden]
+    proposer = load_eagle(head, llama)
+    session = proposer.new_session(PROMPT, SamplingConfig())
+    assert session.first_draft() is None  # no feature yet
+    session.commit(len(PROMPT), (50, 51), hidden)
+    token, probability = session.first_draft()
+    assert 0.0 < probability <= 1.0
+    fresh = proposer.new_session(PROMPT, SamplingConfig())
+    fresh.commit(len(PROMPT), (50, 51), hidden)
+    block = fresh.propose(3)
+    assert block.token_ids[0] == token
+    assert session.propose(3) == block  # the kept first step gives the same block
+    # A commit moves the feature: the next first draft is computed anew, as a fresh session's.
+    session.commit(len(PROMPT) + 2, (token,), hidden[:1])
+    fresh = proposer.new_session([*PROMPT, 50, 51, token], SamplingConfig())
+    fresh.commit(len(PROMPT) + 3, (), None)
+    fresh.commit(len(PROMPT) + 2, (token,), hidden[:1])
+    assert session.first_draft() == fresh.first_draft()
+
+
+def test_the_head_overrules_a_lookup_block_from_a_one_token_match_only_when_sure_and_different(llama, head) -> None:
+    hidden = torch.randn(1, llama.model.config.hidden_size)  # [1, hidden]
+    eagle = load_eagle(head, llama)
+
+    def session(tokens: list[int], overrule_confidence: float) -> NgramFirstSession:
+        made = NgramFirstProposer(NgramProposer(), eagle, overrule_confidence=overrule_confidence).new_session(
+            tokens[:-1], SamplingConfig()
+        )
+        made.commit(len(tokens) - 1, tokens[-1:], hidden)  # the head's feature for the last token
+        return made
+
+    # The head's guess after token 7 (it depends on the feature and the last token only).
+    guess, probability = session([5, 6, 7], 0.0)._eagle.first_draft()
+    other = next(t for t in range(1, 100) if t not in (guess, 7))
+    one_token_match = [7, other, 9, 7]  # 7 recurs: lookup copies (other, 9, 7)
+    lookup_block = (other, 9, 7)
+
+    sure = session(one_token_match, probability / 2)
+    head_block = sure.propose(3)
+    assert head_block.token_ids[0] == guess and head_block.token_ids != lookup_block
+    assert (sure.lookups, sure.head_drafts, sure.overruled) == (0, 1, 1)
+
+    for kept in (
+        session(one_token_match, 0.0),  # overruling off
+        session(one_token_match, min(1.0, probability * 2)),  # the head is not sure enough
+        session([7, guess, 9, 7], probability / 2),  # the head agrees with lookup's first draft
+    ):
+        assert kept.propose(3).token_ids[1:] == (9, 7)
+        assert (kept.lookups, kept.head_drafts, kept.overruled) == (1, 0, 0)
+    # A match of two tokens is evidence enough: lookup drafts whatever the head thinks.
+    two_token_match = session([6, 7, other, 9, 6, 7], probability / 2)
+    assert two_token_match.propose(3).token_ids == (other, 9, 6)
+    assert two_token_match.overruled == 0
+
+    with pytest.raises(ValueError, match="overrule_confidence"):
+        NgramFirstProposer(NgramProposer(), eagle, overrule_confidence=1.5)

@@ -64,7 +64,12 @@ def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
         from draft_service.proposers.ngram_first import NgramFirstProposer
 
         ngram = NgramProposer(settings.ngram_max, settings.ngram_min)
-        return NgramFirstProposer(ngram, _load_eagle(head, settings, target), head_k=settings.eagle_k)
+        return NgramFirstProposer(
+            ngram,
+            _load_eagle(head, settings, target),
+            head_k=settings.eagle_k,
+            overrule_confidence=settings.eagle_overrule_confidence,
+        )
     if is_eagle_draft(spec):
         return _load_eagle(spec, settings, target)
     if spec.startswith(NGRAM_FIRST_PREFIX):

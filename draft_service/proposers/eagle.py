@@ -78,6 +78,9 @@ class EagleSession(ProposerSession):
         self._feature_len = -1
         self._sampler = None if sampling.greedy else TopKSampler(sampling, proposer.draft_top_k)
         self._closed = False
+        # The head's first step from the current feature, kept until the next commit: ``first_draft``
+        # computes it to judge a lookup block, and a proposal right after starts from it.
+        self._first_step: tuple[torch.Tensor, torch.Tensor] | None = None  # ([1, hidden], [1, reduced])
 
     @property
     def has_feature(self) -> bool:
@@ -88,21 +91,34 @@ class EagleSession(ProposerSession):
         """The current feature [hidden] (None until a verdict brought one)."""
         return self._feature if self.has_feature else None
 
+    def first_draft(self) -> tuple[int, float] | None:
+        """The head's most likely next token (a target id) and the probability it gives it; None
+        without a current feature. A proposal made before the next commit reuses this step."""
+        step = self._step_from_feature()
+        if step is None:
+            return None
+        logits = step[1][0]  # [reduced]
+        probability, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return int(self._proposer.drafter.vocab_ids[int(index)]), float(probability)
+
     def propose(self, max_tokens: int) -> Proposal:
         if self._closed:
             raise RuntimeError("draft session used after close")
-        if max_tokens <= 0 or not self.has_feature:
+        first = self._step_from_feature() if max_tokens > 0 else None
+        if first is None:
             return Proposal()  # the block still commits one token and brings the feature
         drafter = self._proposer.drafter
         device = self._proposer.device
-        feature = self._feature.to(device)[None]  # [1, hidden]
         token = self._tokens[-1]
         tokens: list[int] = []
         dists: list[SparseDist] = []
         with torch.inference_mode():
-            for _ in range(max_tokens):
-                token_ids = torch.tensor([token], dtype=torch.long, device=device)  # [1]
-                feature, logits = drafter.step(feature, token_ids)  # [1, hidden], [1, reduced]
+            for depth in range(max_tokens):
+                if depth == 0:
+                    feature, logits = first  # [1, hidden], [1, reduced]
+                else:
+                    token_ids = torch.tensor([token], dtype=torch.long, device=device)  # [1]
+                    feature, logits = drafter.step(feature, token_ids)  # [1, hidden], [1, reduced]
                 token, dist = self._pick(logits[0])
                 tokens.append(token)
                 if dist is not None:
@@ -119,6 +135,8 @@ class EagleSession(ProposerSession):
         if base_len + len(token_ids) == 0:
             raise ValueError("the committed sequence cannot become empty")
         unchanged = base_len == len(self._tokens) and not token_ids  # a refused block: nothing moved
+        if not unchanged:
+            self._first_step = None
         del self._tokens[base_len:]
         self._tokens.extend(token_ids)
         if unchanged:
@@ -141,7 +159,20 @@ class EagleSession(ProposerSession):
     def close(self) -> None:
         self._closed = True
         self._feature = None
+        self._first_step = None
         self._tokens = []
+
+    def _step_from_feature(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head's step from the current feature and the last committed token (kept until the
+        next commit), or None without a current feature."""
+        if not self.has_feature:
+            return None
+        if self._first_step is None:
+            device = self._proposer.device
+            token_ids = torch.tensor([self._tokens[-1]], dtype=torch.long, device=device)  # [1]
+            with torch.inference_mode():
+                self._first_step = self._proposer.drafter.step(self._feature.to(device)[None], token_ids)
+        return self._first_step
 
     def _doubts(self, logits: torch.Tensor) -> bool:
         """Whether the head gives its top token less than ``min_confidence`` (logits: [reduced])."""

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int | None:
-    """Where the copied continuation starts, or None when no suffix n-gram recurs.
+def find_match(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int, int] | None:
+    """(where the copied continuation starts, the length n of the matched suffix), or None when no
+    suffix n-gram recurs.
 
     Tries the longest suffix first (n = ngram_max down to ngram_min) and, for that n, the most
     recent earlier occurrence: longer and more recent matches predict the continuation better.
@@ -35,8 +36,14 @@ def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int
         windows = sliding_window_view(tokens[:-1], n)  # [seq - n, n]
         matches = np.flatnonzero((windows == suffix).all(axis=1))
         if matches.size:
-            return int(matches[-1]) + n
+            return int(matches[-1]) + n, n
     return None
+
+
+def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int | None:
+    """Where the copied continuation starts (``find_match``), or None."""
+    match = find_match(tokens, ngram_max, ngram_min)
+    return None if match is None else match[0]
 
 
 class NgramSession(ProposerSession):
@@ -46,17 +53,22 @@ class NgramSession(ProposerSession):
         self._ngram_min = ngram_min
 
     def propose(self, max_tokens: int) -> Proposal:
+        return self.lookup(max_tokens)[0]
+
+    def lookup(self, max_tokens: int) -> tuple[Proposal, int]:
+        """The proposal and the length of the suffix match it copies from (0: no draft)."""
         if max_tokens <= 0:
-            return Proposal()
-        start = find_continuation(self._tokens, self._ngram_max, self._ngram_min)
-        if start is None:
+            return Proposal(), 0
+        match = find_match(self._tokens, self._ngram_max, self._ngram_min)
+        if match is None:
             # No draft: the round still commits the target's next token, like a Generate step.
-            return Proposal()
+            return Proposal(), 0
+        start, n = match
         # The copied span may run into the end of the sequence (the match overlaps the suffix, as
         # in repetitive text); it then continues with the tokens it proposes itself, i.e. the
         # span repeats with period len - start.
         continuation = np.resize(self._tokens[start:], max_tokens)  # [max_tokens]
-        return Proposal(tuple(int(t) for t in continuation))
+        return Proposal(tuple(int(t) for t in continuation)), n
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= self._tokens.shape[0]:
