@@ -16,7 +16,7 @@ from test_draft_eagle import PROMPT, load_eagle, make_head, speculate_in_process
 from draft_service.proposers import make_proposer
 from draft_service.proposers.ngram import NgramProposer, find_continuation
 from draft_service.proposers.ngram_first import NgramFirstProposer, NgramFirstSession
-from draft_service.types import SamplingConfig
+from draft_service.types import Proposal, SamplingConfig, SparseDist
 from tandem.calibrate.run import CalibrateError, load_drafter
 from tandem.config import DraftSettings
 from tandem.models import ModelSpecError, is_model_free_draft, ngram_first_head
@@ -202,3 +202,37 @@ def test_the_head_overrules_a_lookup_block_from_a_one_token_match_only_when_sure
 
     with pytest.raises(ValueError, match="overrule_confidence"):
         NgramFirstProposer(NgramProposer(), eagle, overrule_confidence=1.5)
+
+
+def test_lookup_continues_a_head_block_that_ends_on_a_recurring_span(llama, head) -> None:
+    hidden = torch.randn(1, llama.model.config.hidden_size)  # [1, hidden]
+    eagle = load_eagle(head, llama)
+    proposer = NgramFirstProposer(NgramProposer(), eagle, head_k=2)
+
+    def session(tokens: list[int]) -> NgramFirstSession:
+        made = proposer.new_session(tokens[:-1], SamplingConfig())
+        made.commit(len(tokens) - 1, tokens[-1:], hidden)
+        return made
+
+    last = 3
+    drafts = session([1, last]).propose(2).token_ids  # what the head drafts after `last`
+    while last in drafts:
+        last += 1
+        drafts = session([1, last]).propose(2).token_ids
+    a, b, c = [t for t in range(20, 40) if t not in drafts][:3]
+    # The head's two drafts occurred before, followed by a, b, c: lookup copies them after the head's block.
+    continued = session([*drafts, a, b, c, last])
+    block = continued.propose(5)
+    assert block.token_ids == (*drafts, a, b, c)
+    assert (continued.lookups, continued.head_drafts, continued.continued) == (0, 1, 1)
+    # Only the head's last draft recurs: one token is not evidence enough, the block stays the head's.
+    alone = session([drafts[1] + 100, drafts[1], a, b, c, last]) if drafts[0] != drafts[1] else None
+    if alone is not None:
+        assert alone.propose(5).token_ids == drafts and alone.continued == 0
+    # A sampled head block keeps its q, and the copied tokens get a one-hot q each.
+    sampled = continued._continued_by_lookup(
+        Proposal(drafts, (SparseDist((drafts[0],), (1.0,)), SparseDist((drafts[1], 7), (0.5, 0.5)))), 5
+    )
+    assert sampled.token_ids == (*drafts, a, b, c)
+    assert sampled.probs[1] == SparseDist((drafts[1], 7), (0.5, 0.5))
+    assert sampled.probs[2:] == tuple(SparseDist((t,), (1.0,)) for t in (a, b, c))

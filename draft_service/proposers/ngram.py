@@ -55,11 +55,16 @@ class NgramSession(ProposerSession):
     def propose(self, max_tokens: int) -> Proposal:
         return self.lookup(max_tokens)[0]
 
-    def lookup(self, max_tokens: int) -> tuple[Proposal, int]:
-        """The proposal and the length of the suffix match it copies from (0: no draft)."""
+    def lookup(self, max_tokens: int, after: Sequence[int] = (), ngram_min: int = 0) -> tuple[Proposal, int]:
+        """The proposal and the length of the suffix match it copies from (0: no draft).
+
+        ``after``: drafts assumed to follow the committed sequence (the lookup continues them);
+        ``ngram_min``: a shortest match other than the session's own.
+        """
         if max_tokens <= 0:
             return Proposal(), 0
-        match = find_match(self._tokens, self._ngram_max, self._ngram_min)
+        tokens = self._tokens if not after else np.concatenate([self._tokens, np.asarray(after, dtype=np.int64)])
+        match = find_match(tokens, self._ngram_max, max(ngram_min, self._ngram_min))
         if match is None:
             # No draft: the round still commits the target's next token, like a Generate step.
             return Proposal(), 0
@@ -67,7 +72,7 @@ class NgramSession(ProposerSession):
         # The copied span may run into the end of the sequence (the match overlaps the suffix, as
         # in repetitive text); it then continues with the tokens it proposes itself, i.e. the
         # span repeats with period len - start.
-        continuation = np.resize(self._tokens[start:], max_tokens)  # [max_tokens]
+        continuation = np.resize(tokens[start:], max_tokens)  # [max_tokens]
         return Proposal(tuple(int(t) for t in continuation)), n
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:

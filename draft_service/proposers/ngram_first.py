@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession
 from draft_service.proposers.ngram import NgramProposer, NgramSession
-from draft_service.types import Proposal, SamplingConfig
+from draft_service.types import Proposal, SamplingConfig, SparseDist
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,7 @@ class NgramFirstSession(ProposerSession):
         self.lookups = 0  # blocks drafted by prompt lookup
         self.head_drafts = 0  # blocks drafted by the eagle head
         self.overruled = 0  # of those, blocks where lookup had a draft the head overruled
+        self.continued = 0  # head blocks that lookup continued
 
     def propose(self, max_tokens: int) -> Proposal:
         proposal, match_len = self._ngram.lookup(max_tokens)
@@ -58,7 +59,28 @@ class NgramFirstSession(ProposerSession):
         proposal = self._eagle.propose(min(max_tokens, self._head_k) if self._head_k else max_tokens)
         if proposal.token_ids:
             self.head_drafts += 1
+            proposal = self._continued_by_lookup(proposal, max_tokens)
         return proposal
+
+    def _continued_by_lookup(self, proposal: Proposal, max_tokens: int) -> Proposal:
+        """The head's block, filled up to ``max_tokens`` with what lookup copies after it.
+
+        The head drafts a few tokens; where they end on a recurring span (at least two tokens, so
+        the head's last guess is not the only evidence), the rest of the block costs nothing to
+        draft: the head names the next JSON key, lookup copies the line it starts. Lookup's tokens
+        are deterministic given the block before them, so their q is one-hot and sampled blocks
+        stay exact. In ``benchmarks/draft_replay.py`` (K=7): json 3.44 -> 3.55x (4.20 -> 4.42
+        tokens a round), code 2.39 -> 2.44 tokens a round at the same speed (wider passes).
+        """
+        room = max_tokens - len(proposal.token_ids)
+        if room <= 0:
+            return proposal
+        copied = self._ngram.lookup(room, after=proposal.token_ids, ngram_min=2)[0].token_ids
+        if not copied:
+            return proposal
+        self.continued += 1
+        probs = proposal.probs + tuple(SparseDist((t,), (1.0,)) for t in copied) if proposal.probs else ()
+        return Proposal(proposal.token_ids + copied, probs)
 
     def _head_overrules(self, lookup_first: int, match_len: int) -> bool:
         """Whether a lookup block copied after a one-token match gives way to the head.
