@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
-from draft_service.loop import BlockVerifier, SpeculationLoop
-from draft_service.proposers.base import Proposer
-from draft_service.types import RoundResult, SessionSpec, TargetInfo
+from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
+from draft_service.proposers.base import Proposer, ProposerSession
+from draft_service.types import FinishReason, RoundResult, SamplingConfig, SessionSpec, TargetInfo
 from tandem.metrics import Metrics
 from tandem.model_worker import ModelWorker
 
@@ -47,6 +50,17 @@ class TargetPort(Protocol):
     async def release(self, session_id: str) -> bool: ...
 
 
+@dataclass
+class _Parked:
+    """A proposer session kept between two Speculate calls of one target session."""
+
+    session: ProposerSession
+    token_ids: tuple[int, ...]  # the committed sequence it stands for, pending commit included
+    sampling: SamplingConfig
+    pending_commit: PendingCommit | None
+    parked_at: float
+
+
 class _Outcome(enum.Enum):
     ABANDONED = "abandoned"  # the consumer stopped listening: release the target session
     COMPLETED = "completed"
@@ -64,7 +78,12 @@ class DraftEngine:
         *,
         default_k: int,
         release_timeout_s: float = 10.0,
+        park_ttl_s: float = 60.0,
+        max_parked: int = 256,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
+        session's next Speculate call (see :meth:`speculate`)."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -74,6 +93,10 @@ class DraftEngine:
         self._release_timeout_s = release_timeout_s
         self._sessions: dict[str, SessionSpec] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._parked: OrderedDict[str, _Parked] = OrderedDict()  # oldest first
+        self._park_ttl_s = park_ttl_s
+        self._max_parked = max_parked
+        self._clock = clock
 
     @property
     def active_sessions(self) -> list[str]:
@@ -84,6 +107,12 @@ class DraftEngine:
 
         Close the iterator (``contextlib.aclosing``) when abandoning it: that is what frees the
         session and releases it in the target.
+
+        A call that ends on its ``max_new_tokens`` with the session unfinished parks its proposer
+        session, and the session's next call resumes it when it continues exactly where this one
+        stopped. The gateway runs a session as a chain of such calls (legs, so it can switch to
+        autoregressive decoding between them), and a fresh proposer session would cost a round:
+        the eagle head has no feature until a verdict brings one, so its first block is empty.
         """
         self._check_fingerprint(spec)
         if spec.session_id in self._sessions:
@@ -94,8 +123,13 @@ class DraftEngine:
         outcome = _Outcome.ABANDONED
         proposer_session = None
         stream: VerifyStream | None = None
+        loop: SpeculationLoop | None = None
+        committed = list(spec.token_ids)
+        finish_reason = FinishReason.NONE
         try:
-            proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
+            proposer_session, pending_commit = self._resume(spec)
+            if proposer_session is None:
+                proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
             stream = self._target.open_verify_stream(spec.session_id)
             loop = SpeculationLoop(
                 spec,
@@ -105,10 +139,13 @@ class DraftEngine:
                 max_context_len=self.target_info.max_context_len,
                 tokenizer_fingerprint=self.proposer.tokenizer_fingerprint,
                 want_hidden_states=self.proposer.wants_hidden_states,
+                pending_commit=pending_commit,
             )
             async for result in loop.rounds():
                 if result.verified:
                     self._metrics.record_round(result.num_draft_tokens, result.num_accepted)
+                committed.extend(result.token_ids)
+                finish_reason = result.finish_reason
                 yield result
             outcome = _Outcome.COMPLETED
         except Exception:
@@ -119,8 +156,11 @@ class DraftEngine:
             del self._sessions[spec.session_id]
             gauge.dec()
             if proposer_session is not None:
-                # Queued behind a proposal that may still run for this session on the model thread.
-                self._worker.submit(proposer_session.close)
+                if outcome is _Outcome.COMPLETED and finish_reason is FinishReason.NONE and loop is not None:
+                    self._park(spec, proposer_session, tuple(committed), loop.pending_commit)
+                else:
+                    # Queued behind a proposal that may still run for this session on the model thread.
+                    self._worker.submit(proposer_session.close)
             if stream is not None:
                 if outcome is _Outcome.COMPLETED:
                     await stream.close()
@@ -129,8 +169,48 @@ class DraftEngine:
             if outcome is _Outcome.ABANDONED:
                 self._release_later(spec.session_id)
 
+    def _resume(self, spec: SessionSpec) -> tuple[ProposerSession | None, PendingCommit | None]:
+        """The session's parked proposer session and its pending verdict, when it stands for exactly
+        the committed sequence (and sampling) of this call; (None, None) otherwise."""
+        self._expire_parked()
+        parked = self._parked.pop(spec.session_id, None)
+        if parked is None:
+            return None, None
+        if parked.token_ids != tuple(spec.token_ids) or parked.sampling != spec.sampling:
+            # Tokens were committed meanwhile by someone else (the target's Generate): start afresh.
+            self._worker.submit(parked.session.close)
+            return None, None
+        log.debug("session %r resumes its proposer session at %d tokens", spec.session_id, len(parked.token_ids))
+        return parked.session, parked.pending_commit
+
+    def _park(
+        self,
+        spec: SessionSpec,
+        session: ProposerSession,
+        token_ids: tuple[int, ...],
+        pending_commit: PendingCommit | None,
+    ) -> None:
+        self._parked[spec.session_id] = _Parked(session, token_ids, spec.sampling, pending_commit, self._clock())
+        self._parked.move_to_end(spec.session_id)
+        while len(self._parked) > self._max_parked:
+            _, oldest = self._parked.popitem(last=False)
+            self._worker.submit(oldest.session.close)
+        self._expire_parked()
+
+    def _expire_parked(self) -> None:
+        """Closes parked sessions older than the TTL (a session the gateway finished with elsewhere)."""
+        now = self._clock()
+        while self._parked:
+            session_id, oldest = next(iter(self._parked.items()))
+            if now - oldest.parked_at < self._park_ttl_s:
+                return
+            del self._parked[session_id]
+            self._worker.submit(oldest.session.close)
+
     async def aclose(self) -> None:
-        """Waits for pending target releases (service shutdown)."""
+        """Closes the parked proposer sessions and waits for pending target releases (service shutdown)."""
+        while self._parked:
+            self._worker.submit(self._parked.popitem()[1].session.close)
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
 

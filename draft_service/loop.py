@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # Runs fn(*args) on the draft's model thread (``ModelWorker.run``).
 RunModel = Callable[..., Awaitable[Any]]
 
+# A verdict for the proposer session: (base_len, committed tokens, their hidden states [n, hidden] or None).
+PendingCommit = tuple[int, Sequence[int], "torch.Tensor | None"]
+
 # Consecutive STALE verdicts at an unchanged committed length before the loop gives up.
 MAX_STALE_RETRIES = 3
 
@@ -49,8 +52,11 @@ class SpeculationLoop:
         max_context_len: int = 0,
         tokenizer_fingerprint: str = "",
         want_hidden_states: bool = False,
+        pending_commit: PendingCommit | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``pending_commit``: a verdict the proposer session has not applied yet (a session resumed
+        from an earlier call, ``pending_commit`` of that call's loop)."""
         self._spec = spec
         self._proposer = proposer
         self._verifier = verifier
@@ -65,8 +71,12 @@ class SpeculationLoop:
         self._stale_in_a_row = 0
         # The proposer learns a verdict lazily, in the same model-thread call as the next proposal,
         # so the verdict's tokens are streamed without waiting for a thread hop.
-        # (base_len, committed tokens, their hidden states [n, hidden] or None)
-        self._pending_commit: tuple[int, tuple[int, ...], torch.Tensor | None] | None = None
+        self._pending_commit = pending_commit
+
+    @property
+    def pending_commit(self) -> PendingCommit | None:
+        """The last verdict, which the proposer session learns only with the next proposal."""
+        return self._pending_commit
 
     async def rounds(self) -> AsyncIterator[RoundResult]:
         while not self._call_budget_spent():
@@ -128,9 +138,7 @@ class SpeculationLoop:
     def _call_budget_spent(self) -> bool:
         return 0 < self._spec.max_new_tokens <= self._streamed
 
-    def _commit_and_propose(
-        self, commit: tuple[int, Sequence[int], torch.Tensor | None] | None, k: int
-    ) -> Proposal:
+    def _commit_and_propose(self, commit: PendingCommit | None, k: int) -> Proposal:
         """Runs on the model thread: apply the last verdict, then draft up to k tokens.
 
         An empty proposal still makes a block: the target then commits one token, like a decode

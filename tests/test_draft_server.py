@@ -286,3 +286,60 @@ async def test_start_refuses_a_draft_with_another_tokenizer(target, draft):
         await running.stop(0)
     finally:
         await fake.server.stop(None)
+
+
+class CountingLookup(NgramProposer):
+    """Prompt lookup that counts its sessions and records the committed length each proposal saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sessions = 0
+        self.seen: list[int] = []
+
+    def new_session(self, token_ids, sampling):
+        self.sessions += 1
+        session = super().new_session(token_ids, sampling)
+        propose = session.propose
+
+        def recording(max_tokens):
+            self.seen.append(len(session._tokens))
+            return propose(max_tokens)
+
+        session.propose = recording
+        return session
+
+
+async def test_a_sessions_next_call_resumes_its_proposer_where_the_last_one_stopped(fake_target, target, metrics):
+    proposer = CountingLookup()
+    running = await start_draft(lambda info: proposer, fake_target.address, metrics=metrics, target_wait_s=10)
+    proposer.sessions, proposer.seen = 0, []  # the warm-up's
+    n = 24
+    request = prefill(fake_target, max_new_tokens=n)
+    committed = list(request.token_ids)
+    try:
+        channel, stub = await connect(running)
+        async with channel:
+            for leg in (5, 7, 0):  # legs as the gateway runs them; 0 = to the end
+                request.token_ids[:] = committed
+                request.max_new_tokens = leg
+                committed += tokens_of(await speculate(stub, request))
+            # Between two legs, one token committed elsewhere (a Generate step): the parked
+            # proposer session no longer matches and a fresh one starts.
+            second = prefill(fake_target, session_id="t", max_new_tokens=n)
+            second.max_new_tokens = 4
+            head = list(second.token_ids) + tokens_of(await speculate(stub, second))
+            step = fake_target.service.target.verify("t", len(head), (), ())
+            head += step.committed_token_ids
+            second.token_ids[:] = head
+            second.max_new_tokens = 0
+            head += tokens_of(await speculate(stub, second))
+    finally:
+        await running.stop(0)
+    expected = generate_greedy(target.model, PROMPT, n, target.tokenizer.eos_token_id)
+    assert committed[len(PROMPT):] == expected and head[len(PROMPT):] == expected
+    assert proposer.sessions == 1 + 2  # three legs of "s" share one session; "t" needed two
+    # Every proposal saw the whole committed sequence (the base of the block it made; blocks cut
+    # to no drafts by the budget are sent without asking the proposer): the last verdict of a
+    # leg reached the resumed session before its first proposal.
+    bases = iter(r.base_len for r in fake_target.service.requests)
+    assert all(any(seen == base for base in bases) for seen in proposer.seen)

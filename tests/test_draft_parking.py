@@ -1,0 +1,124 @@
+"""Proposer sessions parked between a session's Speculate calls: kept, resumed, and let go."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import pytest
+from draft_fakes import InMemoryVerifier, ReferenceTarget, load_tiny
+
+from draft_service.engine import DraftEngine
+from draft_service.proposers.ngram import NgramProposer
+from draft_service.types import FinishReason, SamplingConfig, SessionSpec, TargetInfo
+from tandem.metrics import make_metrics
+from tandem.model_worker import ModelWorker
+
+PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
+
+
+class Port:
+    """The engine's TargetPort over an in-memory reference target."""
+
+    def __init__(self, target: ReferenceTarget) -> None:
+        self.verifier = InMemoryVerifier(target)
+
+    def open_verify_stream(self, session_id: str):
+        verifier = self.verifier
+
+        class Stream:
+            verify = staticmethod(verifier.verify)
+
+            async def close(self) -> None:
+                pass
+
+            def cancel(self) -> None:
+                pass
+
+        return Stream()
+
+    async def release(self, session_id: str) -> bool:
+        return True
+
+
+class Counting(NgramProposer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = 0
+        self.closed = 0
+
+    def new_session(self, token_ids, sampling):
+        self.opened += 1
+        session = super().new_session(token_ids, sampling)
+        close = session.close
+
+        def closing() -> None:
+            self.closed += 1
+            close()
+
+        session.close = closing
+        return session
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_tiny(tiny_dir)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup(target):
+    reference = ReferenceTarget(target.model)
+    proposer = Counting()
+    worker = ModelWorker("test-draft")
+    clock = Clock()
+    info = TargetInfo("tiny", int(target.model.config.vocab_size), "")
+    engine = DraftEngine(
+        proposer, Port(reference), info, worker, make_metrics("draft"), default_k=3, park_ttl_s=10.0, max_parked=2,
+        clock=clock,
+    )
+    return reference, proposer, engine, worker, clock
+
+
+async def leg(engine: DraftEngine, reference: ReferenceTarget, session_id: str, n: int, sampling=SamplingConfig()):
+    tokens = tuple(reference.sessions[session_id].tokens)
+    spec = SessionSpec(session_id, tokens, len(PROMPT), sampling, 3, max_new_tokens=n)
+    async with aclosing(engine.speculate(spec)) as rounds:
+        return [t async for r in rounds for t in r.token_ids]
+
+
+async def drained(worker: ModelWorker) -> None:
+    await worker.run(lambda: None)  # closes are submitted to the model thread: let them run
+
+
+async def test_parked_sessions_expire_are_bounded_and_never_resume_on_other_tokens(setup) -> None:
+    reference, proposer, engine, worker, clock = setup
+    for session_id in ("a", "b", "c"):
+        reference.prefill(session_id, PROMPT, max_new_tokens=40)
+        await leg(engine, reference, session_id, 4)
+    await drained(worker)
+    # Three parked, two kept: the oldest ("a") was closed.
+    assert (proposer.opened, proposer.closed) == (3, 1)
+    await leg(engine, reference, "b", 4)  # resumed
+    assert proposer.opened == 3
+    # A different sampling configuration does not resume "c"'s greedy session.
+    await leg(engine, reference, "c", 4, SamplingConfig(temperature=1.0, seed=1))
+    await drained(worker)
+    assert (proposer.opened, proposer.closed) == (4, 2)
+    # Past the TTL, a parked session is closed and the next call starts afresh.
+    clock.now = 11.0
+    await leg(engine, reference, "b", 4)
+    await drained(worker)
+    assert (proposer.opened, proposer.closed) == (5, 4)  # "b"'s and "c"'s expired
+    # A finished session is not parked.
+    await leg(engine, reference, "b", 0)
+    await drained(worker)
+    assert reference.sessions["b"].finish is not FinishReason.NONE
+    await engine.aclose()
+    await drained(worker)
+    assert proposer.closed == proposer.opened
