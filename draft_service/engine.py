@@ -1,10 +1,11 @@
 """Per-session bookkeeping around the speculation loop, independent of gRPC.
 
-The engine owns what outlives one round: the registry of running sessions, the metrics, and the
-cleanup rules. Its one subtle rule is when to ``Release`` the target session: only when the caller
-abandoned the stream (client disconnect, cancellation). A loop that finished needs no release (the
-target frees finished sessions), and a loop that failed must leave the target session alone so the
-caller can fall back to the target's Generate and continue it without losing a token.
+The engine owns what outlives one round: the registry of running sessions, the proposer sessions
+parked between two calls of one session, the metrics, and the cleanup rules. Its one subtle rule is
+when to ``Release`` the target session: only when the caller abandoned the stream (client
+disconnect, cancellation). A loop that finished needs no release (the target frees finished
+sessions), and a loop that failed must leave the target session alone so the caller can fall back
+to the target's Generate and continue it without losing a token.
 """
 
 from __future__ import annotations
