@@ -88,8 +88,8 @@ class NgramFirstSession(ProposerSession):
         One recurring token is weak evidence: on the code bench prompts such blocks had their
         first draft rejected half the time (0.14 after a 4-token match), and each costs a pass over
         K+1 rows. When the head's own next token differs and the head gives it at least
-        ``overrule_confidence``, its block is the better bet; the head's step is not wasted
-        either way, as the head's block starts from it. At 0.3 (K=7, eagle_k 3): code 2.03 -> 2.08x
+        ``overrule_confidence``, its block is the better bet, and it starts from the step taken to
+        judge (a step wasted only where lookup's block stands). At 0.3 (K=7, eagle_k 3): code 2.03 -> 2.08x
         in ``benchmarks/draft_replay.py`` (2.34 -> 2.39 tokens a round), and a mean accepted length
         of 2.44 against 2.38 live (``tandem bench``, two runs each); 0.5 and 0.7 gained less, and
         overruling matches of two tokens lost on math.
