@@ -226,9 +226,8 @@ def test_lookup_continues_a_head_block_that_ends_on_a_recurring_span(llama, head
     assert block.token_ids == (*drafts, a, b, c)
     assert (continued.lookups, continued.head_drafts, continued.continued) == (0, 1, 1)
     # Only the head's last draft recurs: one token is not evidence enough, the block stays the head's.
-    alone = session([drafts[1] + 100, drafts[1], a, b, c, last]) if drafts[0] != drafts[1] else None
-    if alone is not None:
-        assert alone.propose(5).token_ids == drafts and alone.continued == 0
+    alone = session([drafts[1] + 100, drafts[1], a, b, c, last])
+    assert alone.propose(5).token_ids == drafts and alone.continued == 0
     # A sampled head block keeps its q, and the copied tokens get a one-hot q each.
     sampled = continued._continued_by_lookup(
         Proposal(drafts, (SparseDist((drafts[0],), (1.0,)), SparseDist((drafts[1], 7), (0.5, 0.5)))), 5

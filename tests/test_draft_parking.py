@@ -16,25 +16,27 @@ from tandem.model_worker import ModelWorker
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
 
+class Stream:
+    """One Verify stream over the shared in-memory verifier."""
+
+    def __init__(self, verifier: InMemoryVerifier) -> None:
+        self.verify = verifier.verify
+
+    async def close(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
 class Port:
     """The engine's TargetPort over an in-memory reference target."""
 
     def __init__(self, target: ReferenceTarget) -> None:
         self.verifier = InMemoryVerifier(target)
 
-    def open_verify_stream(self, session_id: str):
-        verifier = self.verifier
-
-        class Stream:
-            verify = staticmethod(verifier.verify)
-
-            async def close(self) -> None:
-                pass
-
-            def cancel(self) -> None:
-                pass
-
-        return Stream()
+    def open_verify_stream(self, session_id: str) -> Stream:
+        return Stream(self.verifier)
 
     async def release(self, session_id: str) -> bool:
         return True

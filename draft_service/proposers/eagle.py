@@ -97,9 +97,8 @@ class EagleSession(ProposerSession):
         step = self._step_from_feature()
         if step is None:
             return None
-        logits = step[1][0]  # [reduced]
-        probability, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return int(self._proposer.drafter.vocab_ids[int(index)]), float(probability)
+        probability, index = _top(step[1][0])
+        return int(self._proposer.drafter.vocab_ids[index]), probability
 
     def propose(self, max_tokens: int) -> Proposal:
         if self._closed:
@@ -177,7 +176,7 @@ class EagleSession(ProposerSession):
     def _doubts(self, logits: torch.Tensor) -> bool:
         """Whether the head gives its top token less than ``min_confidence`` (logits: [reduced])."""
         floor = self._proposer.min_confidence
-        return floor > 0 and float(torch.softmax(logits.float(), dim=-1).max()) < floor
+        return floor > 0 and _top(logits)[0] < floor
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         """A draft token (target id) from the logits over the reduced vocabulary [reduced]."""
@@ -185,6 +184,12 @@ class EagleSession(ProposerSession):
         if self._sampler is None:
             return int(vocab_ids[int(torch.argmax(logits))]), None
         return self._sampler.sample(logits, vocab_ids)
+
+
+def _top(logits: torch.Tensor) -> tuple[float, int]:
+    """The head's most likely reduced index and the probability it gives it (logits: [reduced])."""
+    probability, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+    return float(probability), int(index)
 
 
 class EagleProposer(Proposer):

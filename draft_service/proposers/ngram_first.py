@@ -79,7 +79,8 @@ class NgramFirstSession(ProposerSession):
         if not copied:
             return proposal
         self.continued += 1
-        probs = proposal.probs + tuple(SparseDist((t,), (1.0,)) for t in copied) if proposal.probs else ()
+        one_hot = tuple(SparseDist((t,), (1.0,)) for t in copied)
+        probs = (proposal.probs + one_hot) if proposal.probs else ()  # greedy blocks carry no q
         return Proposal(proposal.token_ids + copied, probs)
 
     def _head_overrules(self, lookup_first: int, match_len: int) -> bool:
