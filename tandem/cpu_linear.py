@@ -34,6 +34,10 @@ transposed view of the product ([rows, vocab] with strides (1, columns)): consum
 the vocabulary, which reads a strided row as fast, and copying 262k x 2 or 4 floats cost 0.8 to
 1.3 ms of a pass.
 
+How fast oneDNN's packed product is for one or two rows depends on the host: on some it is
+slower than for four, and then ``tandem.row_plans`` pads such calls or sends them to
+``few_row_linear`` (``row_plan``, chosen by timing once at load).
+
 Only CPU weights in inference are changed: CUDA has its own GEMMs, and training keeps autograd's
 usual path. The model loader packs float32 layers; the eagle drafter packs its bfloat16 head the
 same way (``dtype``), which halves a draft step there (0.34 against 0.68 ms for 8192 LM-head rows
@@ -55,6 +59,10 @@ CHUNK_ROWS = 4  # the widest product MKL runs at memory bandwidth (measured: 5 t
 MAX_ROWS = 16  # beyond this F.linear is as fast as the weights-stationary product (crossover: 12 to 24 rows)
 K_SLICE = 1024  # inner-dimension slice of the split copies (four columns x 1024 floats: 16 KB)
 MAX_SPLIT_BYTES = 256 * 2**20  # the most memory the split copies of one model may take
+# Row plans (``tandem.row_plans``): how a packed layer serves a call of a given row count when
+# the packed product itself is not the fastest on this host.
+PAD = "pad"  # padded_linear
+FEW = "few"  # few_row_linear
 _CHECK_ROWS = 64  # output features compared with a plain product when a packed copy is made
 _CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # rtol = atol of that comparison
 
@@ -147,6 +155,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def padded_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``packed_linear`` over x's rows padded with zeros to ``PACK_ROWS_HINT`` (the padding's
+    products are dropped): where oneDNN's one- or two-row product is slower than its four-row one."""
+    rows = x.reshape(-1, x.shape[-1])  # [m, in]
+    m = rows.shape[0]
+    if m >= PACK_ROWS_HINT:
+        return packed_linear(x, packed, bias)
+    padded = torch.cat([rows, rows.new_zeros(PACK_ROWS_HINT - m, rows.shape[1])])  # [hint, in]
+    out = packed_linear(padded, packed, bias)[:m]  # [m, out]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def split_inner(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``weight`` [out, in] cut along ``in`` into contiguous [out, <= K_SLICE] copies."""
     return tuple(weight[:, start : start + K_SLICE].contiguous() for start in range(0, weight.shape[1], K_SLICE))
@@ -214,8 +234,9 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
     ):
         packed = self.packed_weight.get(weight)
-        if packed is not None:
-            return packed_linear(x, packed, self.bias)
+        plan = self.row_plan.get(x.numel() // x.shape[-1]) if getattr(self, "row_plan", None) else None
+        if packed is not None and plan != FEW:
+            return padded_linear(x, packed, self.bias) if plan == PAD else packed_linear(x, packed, self.bias)
     if weight.dtype == torch.float32:
         return few_row_linear(x, weight, self.bias, getattr(self, "few_row_slices", None),
                               getattr(self, "few_row_contiguous", True))

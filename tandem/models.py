@@ -209,6 +209,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.cpu_linear import install_cpu_linears
+    from tandem.row_plans import tune_row_plans
 
     resolved = resolve(spec)
     device = pick_device(device)
@@ -219,7 +220,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
     )
     model.to(device)
     model.eval()
-    install_cpu_linears(model, device)
+    if install_cpu_linears(model, device):
+        tune_row_plans(model)
     return LoadedModel(name or resolved.name, model, tokenizer, resolved.hf_dir, dtype, device)
 
 

@@ -1,0 +1,101 @@
+"""Which product serves a packed model's one- and two-row linear calls, timed once on this host.
+
+A decode step multiplies one row by every weight and a verification of one draft token two rows;
+``tandem.cpu_linear`` packs the weights for oneDNN laid out for four rows. On the host its
+figures come from, that packed product is the fastest at every row count. On another 2-core EPYC
+of the same kind (slower memory: 39 against 75 GB/s) its one- and two-row products were slower than
+its four-row one: gemma-3-270m passes of 48.6 / 52.3 / 45.9 / 44.3 ms for 1 / 2 / 3 / 4 tokens, of
+which the layers took 19.4 / 22.1 / 17.6 / 16.7 ms and the LM head 23 / 26 ms for one / two rows
+against 20 for four, where ``few_row_linear`` took 19.5. Which one wins is a property of the host,
+so it is measured, not assumed: at load, for one and two rows, this times
+
+* the layers as a pass reads them (every layer once, in order, so each weight streams from memory
+  as it does in a forward pass), packed against ``padded_linear`` (the rows padded to four), and
+* the LM head (the output embedding: the largest weight by far) packed, padded and ``few_row_linear``,
+
+each the best of a few sweeps, and gives the layers concerned a ``row_plan`` where another product
+is clearly faster (``MARGIN``). About a second for gemma-3-270m; models under ``MIN_BYTES`` of
+packed weights (tests' tiny models) are left alone. The products agree up to float summation
+order, as the packed one does with itself across row counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tandem.cpu_linear import FEW, PAD, few_row_linear, packed_linear, padded_linear
+
+log = logging.getLogger(__name__)
+
+PACKED = "packed"
+TUNED_ROWS = (1, 2)  # from three rows on the packed product is within noise of its four-row time
+MIN_BYTES = 64 * 2**20  # packed weights of the model below which nothing is timed
+MARGIN = 0.9  # another product must take at most this share of the packed product's time
+SWEEPS = 3
+
+# measure(layers, plan, rows) -> seconds for one call of each layer, in order.
+Measure = Callable[[Sequence[torch.nn.Linear], str, int], float]
+
+
+def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_bytes: int = MIN_BYTES) -> dict:
+    """Sets ``row_plan`` on the model's packed float32 linears; returns what it chose, by part
+    ("layers", "head") and row count."""
+    packed = [
+        m for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and _packed(m) is not None
+    ]
+    if sum(m.weight.numel() * m.weight.element_size() for m in packed) < min_bytes:
+        return {}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    parts = {"layers": ([m for m in packed if m is not head], (PACKED, PAD)),
+             "head": ([head] if head in packed else [], (PACKED, PAD, FEW))}
+    measure = measure or _timed_sweep
+    chosen: dict[str, dict[int, str]] = {}
+    for part, (layers, plans) in parts.items():
+        if not layers:
+            continue
+        for rows in TUNED_ROWS:
+            seconds = {plan: measure(layers, plan, rows) for plan in plans}
+            best = min(seconds, key=seconds.__getitem__)
+            if best != PACKED and seconds[best] <= MARGIN * seconds[PACKED]:
+                chosen.setdefault(part, {})[rows] = best
+                for layer in layers:
+                    layer.row_plan = {**getattr(layer, "row_plan", {}), rows: best}
+            log.debug("%s at %d row(s): %s", part, rows, ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in seconds.items()))
+    if chosen:
+        log.info("one- and two-row products that beat oneDNN's packed one on this host: %s", chosen)
+    return chosen
+
+
+def _packed(layer: torch.nn.Linear) -> torch.Tensor | None:
+    holder = getattr(layer, "packed_weight", None)
+    return holder.get(layer.weight) if holder is not None else None
+
+
+def _timed_sweep(layers: Sequence[torch.nn.Linear], plan: str, rows: int) -> float:
+    """The best of ``SWEEPS`` sweeps calling every layer once with ``rows`` rows through ``plan``."""
+    calls = []
+    for layer in layers:
+        x = torch.zeros(rows, layer.in_features)  # [rows, in]
+        weight, packed = layer.weight.detach(), _packed(layer)
+        if plan == FEW:
+            calls.append(lambda x=x, w=weight: few_row_linear(x, w, contiguous=False))
+        elif plan == PAD:
+            calls.append(lambda x=x, p=packed: padded_linear(x, p))
+        else:
+            calls.append(lambda x=x, p=packed: packed_linear(x, p))
+    best = float("inf")
+    with torch.inference_mode():
+        for call in calls:  # one warm-up call each
+            call()
+        for _ in range(SWEEPS):
+            started = time.perf_counter()
+            for call in calls:
+                call()
+            best = min(best, time.perf_counter() - started)
+    return best
