@@ -13,7 +13,7 @@ so it is measured, not assumed: at load, for one and two rows, this times
   as it does in a forward pass), packed against ``padded_linear`` (the rows padded to four), and
 * the LM head (the output embedding: the largest weight by far) packed, padded and ``few_row_linear``,
 
-each the best of a few sweeps, and gives the layers concerned a ``row_plan`` where another product
+each the best of a few sweeps (interleaved, after one that warms up), and gives the layers concerned a ``row_plan`` where another product
 is clearly faster (``MARGIN``). About a second for gemma-3-270m; models under ``MIN_BYTES`` of
 packed weights (tests' tiny models) are left alone. The products agree up to float summation
 order, as the packed one does with itself across row counts.
@@ -60,7 +60,12 @@ def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_b
         if not layers:
             continue
         for rows in TUNED_ROWS:
-            seconds = {plan: measure(layers, plan, rows) for plan in plans}
+            seconds = {plan: float("inf") for plan in plans}
+            for sweep in range(SWEEPS + 1):  # interleaved, so a busy moment hits every plan alike
+                for plan in plans:
+                    taken = measure(layers, plan, rows)
+                    if sweep:  # the first sweep only warms up (oneDNN builds its kernels then)
+                        seconds[plan] = min(seconds[plan], taken)
             best = min(seconds, key=seconds.__getitem__)
             if best != PACKED and seconds[best] <= MARGIN * seconds[PACKED]:
                 chosen.setdefault(part, {})[rows] = best
@@ -78,7 +83,7 @@ def _packed(layer: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def _timed_sweep(layers: Sequence[torch.nn.Linear], plan: str, rows: int) -> float:
-    """The best of ``SWEEPS`` sweeps calling every layer once with ``rows`` rows through ``plan``."""
+    """Seconds to call every layer once with ``rows`` rows through ``plan``."""
     calls = []
     for layer in layers:
         x = torch.zeros(rows, layer.in_features)  # [rows, in]
@@ -89,13 +94,8 @@ def _timed_sweep(layers: Sequence[torch.nn.Linear], plan: str, rows: int) -> flo
             calls.append(lambda x=x, p=packed: padded_linear(x, p))
         else:
             calls.append(lambda x=x, p=packed: packed_linear(x, p))
-    best = float("inf")
     with torch.inference_mode():
-        for call in calls:  # one warm-up call each
+        started = time.perf_counter()
+        for call in calls:
             call()
-        for _ in range(SWEEPS):
-            started = time.perf_counter()
-            for call in calls:
-                call()
-            best = min(best, time.perf_counter() - started)
-    return best
+        return time.perf_counter() - started
