@@ -78,6 +78,20 @@ async def test_bench_main_writes_json_and_plot(tokenizer, tiny_dir, prompts_file
     assert "speedup (speculative / autoregressive tokens/s)" in out and "prose" in out
 
 
+async def test_repeats_send_the_prompt_set_again_in_each_mode(tokenizer, tiny_dir, prompts_file, tmp_path) -> None:  # noqa: F811
+    json_path = tmp_path / "bench.json"
+    async with fake_stack(tokenizer, str(tiny_dir)) as stack:
+        args = bench_args("--url", stack.base_url, "--prompts", str(prompts_file), "--num-prompts", "2",
+                          "--repeats", "3", "--max-tokens", "4", "--warmup", "0", "--peer", "none", "--no-progress",
+                          "--json", str(json_path))
+        assert await asyncio.to_thread(bench.main, args) == 0
+    data = json.loads(json_path.read_text())
+    assert data["overall"]["speculative"]["requests"] == data["overall"]["autoregressive"]["requests"] == 6
+    assert data["by_domain"]["code"]["speculative"]["requests"] == 3  # prompt 0 of each pass
+    assert data["config"]["num_prompts"] == 2 and data["config"]["repeats"] == 3
+    assert data["outputs_identical"] is True
+
+
 async def test_peer_auto_is_skipped_for_another_served_model(tokenizer, tiny_dir, prompts_file, capsys) -> None:  # noqa: F811
     async with fake_stack(tokenizer, str(tiny_dir)) as stack:
         args = bench_args("--url", stack.base_url, "--prompts", str(prompts_file), "--num-prompts", "1",
@@ -101,6 +115,7 @@ def test_unreachable_gateway_is_a_clear_error() -> None:
         (("--concurrency", "0"), "--concurrency must be >= 1"),
         (("--request-rate", "-1"), "--request-rate must be >= 0"),
         (("--max-tokens", "0"), "--max-tokens must be >= 1"),
+        (("--repeats", "0"), "--repeats must be >= 1"),
         (("--plot", "out.jpg"), "give a .png path"),
         (("--prompts", "/nonexistent/prompts.jsonl"), "cannot read the prompt file"),
     ],

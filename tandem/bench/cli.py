@@ -19,6 +19,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tandem.config import DEFAULT_K
+
     where = parser.add_argument_group("where (a running gateway, or a stack started for the run)")
     where.add_argument("--url", default=None,
                        help=f"gateway base URL; default: {DEFAULT_URL} if a gateway answers there, "
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                        help="K: the started stack's default and the peer's; with --url also sent per request "
-                            "(default: the gateway's own, 5 for a started stack)")
+                            f"(default: the gateway's own; for a started stack tandem's default, {DEFAULT_K})")
     where.add_argument("--device", default="auto", help="device of the started stack and of the peer")
     where.add_argument("--dtype", default="auto", help="dtype of the started stack and of the peer")
     load = parser.add_argument_group("load")
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="JSONL with {domain, prompt} rows (default: the built-in set, bench/prompts.jsonl)")
     load.add_argument("--limit", "--num-prompts", dest="limit", type=int, default=0,
                       help="use only the first N prompts (0 = all)")
+    load.add_argument("--repeats", type=int, default=1, metavar="N",
+                      help="send the prompt set N times in each mode (and to the peer): steadier figures on a "
+                           "noisy machine (default 1)")
     load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, same in every mode")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     load.add_argument("--concurrency", type=int, default=None,
@@ -69,6 +74,8 @@ def _check(args: argparse.Namespace) -> None:
     problems = []
     if args.max_tokens < 1:
         problems.append(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.repeats < 1:
+        problems.append(f"--repeats must be >= 1 (got {args.repeats})")
     if args.concurrency is not None and args.concurrency < 1:
         problems.append(f"--concurrency must be >= 1 (got {args.concurrency})")
     if args.request_rate < 0:
@@ -159,9 +166,10 @@ def run_peer_phase(
 def main(args: argparse.Namespace) -> int:
     _check(args)
     try:
-        prompts = load_prompts(args.prompts, args.limit)
+        distinct = load_prompts(args.prompts, args.limit)
     except PromptFileError as exc:
         raise SystemExit(f"tandem bench: {exc}") from exc
+    prompts = list(distinct) * args.repeats  # each pass over the set in turn, both modes interleaved
     progress = not args.no_progress and sys.stderr.isatty()
     from tandem.config import DEFAULT_K
 
@@ -209,7 +217,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem bench: peer skipped: {skip}", file=sys.stderr)
     config = {
         "prompts": args.prompts or "built-in (bench/prompts.jsonl)",
-        "num_prompts": len(prompts),
+        "num_prompts": len(distinct),
+        "repeats": args.repeats,
         "concurrency": args.concurrency or (None if args.request_rate > 0 else 1),
         "request_rate": args.request_rate,
         "seed": args.seed,
