@@ -23,7 +23,10 @@ streamed the target's weights through that cache. Without the flush an eagle hea
 measured about 2x cheaper than they are live.
 
 ``--draft-setting NAME=VALUE`` (repeatable) sets a DraftSettings field for every drafter, e.g.
-``--draft-setting eagle_vocab=0 --draft-setting dtype=float32``.
+``--draft-setting eagle_vocab=0 --draft-setting dtype=float32``. ``--cut on|off|both`` replays
+with the draft service's block-length policy (``draft_service.block_length``, learning from the
+modelled costs), without it, or both; ``--pass-costs FILE`` keeps the measured pass costs in a
+file and prices later runs with them, so runs compared across invocations share their prices.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.proposers import make_proposer
 from draft_service.types import SamplingConfig, TargetInfo
 from tandem.bench.prompts import load_prompts
@@ -110,25 +114,36 @@ class CacheFlusher:
 
 
 def replay(
-    proposer, run: dict, k: int, costs: dict[int, float], flush=lambda: None, propose_times: list | None = None
+    proposer,
+    run: dict,
+    k: int,
+    costs: dict[int, float],
+    flush=lambda: None,
+    propose_times: list | None = None,
+    lengths: BlockLengthPolicy | None = None,
 ) -> tuple[int, int, float]:
     """(tokens after the first, rounds, their modelled seconds) of one prompt with one drafter;
-    each proposal's seconds are appended to ``propose_times`` when given."""
+    each proposal's seconds are appended to ``propose_times`` when given. ``lengths`` cuts the
+    proposals as the draft service does, learning from the modelled costs."""
     ids, plen, hidden = run["ids"], run["prompt_len"], run["hidden"]
     end = len(ids)
     committed = plen + 1  # the prefill commits the first token
     session = proposer.new_session(ids[:committed], SamplingConfig())
     seconds, rounds = 0.0, 0
+    local = AcceptanceTally()
     try:
         while committed < end:
             budget = run["max_tokens"] - (committed - plen)
             flush()
             started = time.perf_counter()
-            drafts = session.propose(max(0, min(k, budget - 1))).token_ids
+            proposal = session.propose(max(0, min(k, budget - 1)))
             spent = time.perf_counter() - started
             seconds += spent
             if propose_times is not None:
                 propose_times.append(spent)
+            if lengths is not None and proposal.sources:
+                proposal = proposal.cut(lengths.length(proposal.sources, local))
+            drafts = proposal.token_ids
             accepted = 0
             while (
                 accepted < len(drafts) and committed + accepted < end and ids[committed + accepted] == drafts[accepted]
@@ -140,6 +155,9 @@ def replay(
             committed += len(new)
             seconds += costs[len(drafts) + 1]
             rounds += 1
+            if lengths is not None:
+                lengths.observe(proposal.sources, accepted, len(drafts) + 1, costs[len(drafts) + 1], spent)
+                local.observe(proposal.sources, accepted)
     finally:
         session.close()
     return end - plen - 1, rounds, seconds
@@ -159,6 +177,14 @@ def main() -> None:
     parser.add_argument(
         "--draft-setting", action="append", default=[], metavar="NAME=VALUE", help="a DraftSettings field"
     )
+    parser.add_argument(
+        "--pass-costs", type=Path, default=None,
+        help="JSON of pass milliseconds by tokens: read when it exists, else written from this run's measurement",
+    )
+    parser.add_argument(
+        "--cut", choices=["off", "on", "both"], default="both",
+        help="cut proposals as the draft service does (draft_service.block_length), send them whole, or both",
+    )
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.draft_setting)
 
@@ -166,7 +192,15 @@ def main() -> None:
     prompts = load_prompts(args.prompts)
     runs = greedy_runs(loaded, prompts, args.max_tokens, args.cache)
     context = round(statistics.median(r["prompt_len"] for r in runs))
-    costs = pass_costs(loaded, context, max(args.num_speculative_tokens) + 1)
+    max_block = max(args.num_speculative_tokens) + 1
+    if args.pass_costs is not None and args.pass_costs.is_file():  # the same prices for runs compared
+        costs = {int(n): ms / 1000 for n, ms in json.loads(args.pass_costs.read_text()).items()}
+        if max_block > max(costs):
+            parser.error(f"{args.pass_costs} prices blocks of up to {max(costs)} tokens, not {max_block}")
+    else:
+        costs = pass_costs(loaded, context, max_block)
+        if args.pass_costs is not None:
+            args.pass_costs.write_text(json.dumps({n: c * 1000 for n, c in costs.items()}))
     prefills = {}
     with torch.inference_mode():
         for i, run in enumerate(runs):
@@ -191,11 +225,13 @@ def main() -> None:
         proposer = make_proposer(settings, info)
         torch.set_num_threads(args.draft_threads or target_threads)
         proposer.warm_up()
-        for k in args.num_speculative_tokens:
+        cuts = {"off": [False], "on": [True], "both": [False, True]}[args.cut]
+        for k, cut in ((k, cut) for k in args.num_speculative_tokens for cut in cuts):
             by_domain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
             propose_times: list[float] = []
+            lengths = BlockLengthPolicy() if cut else None  # one per run, as one per draft service
             for i, run in enumerate(runs):
-                tokens, rounds, seconds = replay(proposer, run, k, costs, flush, propose_times)
+                tokens, rounds, seconds = replay(proposer, run, k, costs, flush, propose_times, lengths)
                 for key in (run["domain"], "all"):
                     row = by_domain[key]
                     row[0] += tokens
@@ -204,10 +240,12 @@ def main() -> None:
                     row[3] += prefills[i] + tokens * costs[1]
             cells = {d: {"speedup": r[3] / r[2], "tokens_per_round": r[0] / r[1]} for d, r in by_domain.items()}
             propose_ms = 1000 * statistics.fmean(propose_times)
-            table.append({"draft": spec, "k": k, "settings": overrides, "propose_ms": propose_ms, "domains": cells})
+            table.append(
+                {"draft": spec, "k": k, "cut": cut, "settings": overrides, "propose_ms": propose_ms, "domains": cells}
+            )
             order = ["all", *sorted(d for d in cells if d != "all")]
             print(
-                f"{spec:>14} K={k} (draft {propose_ms:.2f} ms/round): "
+                f"{spec:>14} K={k}{' cut' if cut else ''} (draft {propose_ms:.2f} ms/round): "
                 + "  ".join(f"{d} {cells[d]['speedup']:.2f}x ({cells[d]['tokens_per_round']:.2f}/round)" for d in order)
             )
     if args.json is not None:

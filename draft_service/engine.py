@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from draft_service.block_length import BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.proposers.base import Proposer, ProposerSession
@@ -81,10 +82,12 @@ class DraftEngine:
         release_timeout_s: float = 10.0,
         park_ttl_s: float = 60.0,
         max_parked: int = 256,
+        block_lengths: BlockLengthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
-        session's next Speculate call (see :meth:`speculate`)."""
+        session's next Speculate call (see :meth:`speculate`). ``block_lengths``: cuts every
+        session's proposals to the length that pays best (None: they go whole)."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -98,6 +101,7 @@ class DraftEngine:
         self._park_ttl_s = park_ttl_s
         self._max_parked = max_parked
         self._clock = clock
+        self.block_lengths = block_lengths
 
     @property
     def active_sessions(self) -> list[str]:
@@ -141,6 +145,7 @@ class DraftEngine:
                 tokenizer_fingerprint=self.proposer.tokenizer_fingerprint,
                 want_hidden_states=self.proposer.wants_hidden_states,
                 pending_commit=pending_commit,
+                lengths=self.block_lengths,
             )
             async for result in loop.rounds():
                 if result.verified:

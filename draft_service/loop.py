@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.proposers.base import ProposerSession
 from draft_service.types import DraftBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
@@ -53,10 +54,13 @@ class SpeculationLoop:
         tokenizer_fingerprint: str = "",
         want_hidden_states: bool = False,
         pending_commit: PendingCommit | None = None,
+        lengths: BlockLengthPolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``pending_commit``: a verdict the proposer session has not applied yet (a session resumed
-        from an earlier call, ``pending_commit`` of that call's loop)."""
+        from an earlier call, ``pending_commit`` of that call's loop). ``lengths``: the service's
+        policy that cuts proposals to the length that pays best, and learns from each verdict
+        (None: every proposal is sent whole)."""
         self._spec = spec
         self._proposer = proposer
         self._verifier = verifier
@@ -65,6 +69,10 @@ class SpeculationLoop:
         self._fingerprint = tokenizer_fingerprint
         self._want_hidden_states = want_hidden_states
         self._clock = clock
+        self._lengths = lengths
+        self._acceptance = AcceptanceTally()  # this session's own, which ``lengths`` weighs in
+        # Sampled drafts are accepted by chance, greedy ones by agreement: tallied apart.
+        self._source_prefix = "" if spec.sampling.greedy else "sampled/"
         self._committed_len = len(spec.token_ids)  # of the sequence as the target has it
         self._streamed = 0
         self._next_block_id = 0
@@ -83,12 +91,26 @@ class SpeculationLoop:
             started = self._clock()
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
+            proposed = self._clock()
+            sources = tuple(self._source_prefix + source for source in proposal.sources)
+            if self._lengths is not None and sources:
+                proposal = proposal.cut(self._lengths.length(sources, self._acceptance))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             verdict = await self._verify(base_len, proposal)
             if verdict.status is VerdictStatus.STALE:
                 self._on_stale(verdict)
                 continue
             self._stale_in_a_row = 0
+            if self._lengths is not None and verdict.status is VerdictStatus.OK:
+                sent = sources[: len(proposal.token_ids)]
+                self._acceptance.observe(sent, verdict.num_accepted)
+                self._lengths.observe(
+                    sent,
+                    verdict.num_accepted,
+                    rows=len(proposal.token_ids) + 1,
+                    seconds=self._clock() - proposed,
+                    propose_seconds=proposed - started,
+                )
             if verdict.status is VerdictStatus.FINISHED:
                 yield RoundResult(
                     token_ids=(),

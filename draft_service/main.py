@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
 from draft_service.proposers import Proposer, make_proposer
@@ -79,6 +80,7 @@ async def start_draft(
     num_speculative_tokens: int = DEFAULT_K,
     metrics: Metrics | None = None,
     target_wait_s: float | None = 60.0,
+    cut_blocks: bool = True,
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
@@ -108,6 +110,7 @@ async def start_draft(
             worker,
             metrics if metrics is not None else make_metrics("draft"),
             default_k=num_speculative_tokens,
+            block_lengths=BlockLengthPolicy() if cut_blocks else None,
         )
         servicer.attach(engine)
         await health.serving()
@@ -179,6 +182,7 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
             num_speculative_tokens=settings.num_speculative_tokens,
             metrics=metrics,
             target_wait_s=None,
+            cut_blocks=settings.cut_blocks,
         )
     )
     stopping = asyncio.create_task(stop.wait())

@@ -58,15 +58,27 @@ class Proposal:
     """Draft tokens for one block, and q per position when the proposer sampled them.
 
     ``probs`` is empty for deterministic proposals (greedy or prompt lookup): the target then
-    treats q as one-hot on the draft token.
+    treats q as one-hot on the draft token. ``sources`` (empty when the proposer does not say)
+    names what drafted each token and how sure it was, e.g. ``lookup:2`` or ``head:0.7``: the
+    keys under which ``draft_service.block_length`` learns how often such drafts are accepted.
+    They stay in the draft service; the block sent to the target carries tokens and q only.
     """
 
     token_ids: tuple[int, ...] = ()
     probs: tuple[SparseDist, ...] = ()
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.probs and len(self.probs) != len(self.token_ids):
             raise ValueError(f"{len(self.probs)} distributions for {len(self.token_ids)} draft tokens")
+        if self.sources and len(self.sources) != len(self.token_ids):
+            raise ValueError(f"{len(self.sources)} sources for {len(self.token_ids)} draft tokens")
+
+    def cut(self, length: int) -> Proposal:
+        """The first ``length`` drafts (with their q and sources)."""
+        if length >= len(self.token_ids):
+            return self
+        return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length])
 
 
 @dataclass(frozen=True)

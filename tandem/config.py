@@ -123,6 +123,11 @@ class DraftSettings(_Base):
         description="an eagle head proposes only the N tokens the target picks most often (0 = the head's whole "
         "reduced vocabulary); fewer rows make each draft step cheaper",
     )
+    cut_blocks: bool = Field(
+        True,
+        description="send each proposal only as far as pays best, from acceptance and pass costs learned from the "
+        "verdicts (--no-cut-blocks: whole, up to K)",
+    )
     torch_threads: int = Field(
         1,
         ge=0,

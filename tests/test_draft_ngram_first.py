@@ -225,6 +225,10 @@ def test_lookup_continues_a_head_block_that_ends_on_a_recurring_span(llama, head
     block = continued.propose(5)
     assert block.token_ids == (*drafts, a, b, c)
     assert (continued.lookups, continued.head_drafts, continued.continued) == (0, 1, 1)
+    # Each draft names its source for the block-length policy: the head with its confidence,
+    # the copy with how long its context agrees (the two drafts).
+    assert all(source.startswith("head:0.") for source in block.sources[:2])
+    assert block.sources[2:] == ("copy:2",) * 3
     # Only the head's last draft recurs: one token is not evidence enough, the block stays the head's.
     alone = session([drafts[1] + 100, drafts[1], a, b, c, last])
     assert alone.propose(5).token_ids == drafts and alone.continued == 0
@@ -232,6 +236,6 @@ def test_lookup_continues_a_head_block_that_ends_on_a_recurring_span(llama, head
     sampled = continued._continued_by_lookup(
         Proposal(drafts, (SparseDist((drafts[0],), (1.0,)), SparseDist((drafts[1], 7), (0.5, 0.5)))), 5
     )
-    assert sampled.token_ids == (*drafts, a, b, c)
+    assert sampled.token_ids == (*drafts, a, b, c) and sampled.sources == ()  # none named: none made up
     assert sampled.probs[1] == SparseDist((drafts[1], 7), (0.5, 0.5))
     assert sampled.probs[2:] == tuple(SparseDist((t,), (1.0,)) for t in (a, b, c))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from draft_service.block_length import confidence_source
 from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
@@ -36,6 +37,8 @@ from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
 from tandem.eagle import EagleConfig, EagleDrafter, TargetTensors, load_head, load_target_tensors
 
 log = logging.getLogger(__name__)
+
+HEAD_SOURCE = "head"  # Proposal.sources: "head:0.7", a draft the head gave 70 to 80%
 
 
 def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetInfo) -> None:
@@ -111,6 +114,7 @@ class EagleSession(ProposerSession):
         token = self._tokens[-1]
         tokens: list[int] = []
         dists: list[SparseDist] = []
+        sources: list[str] = []
         with torch.inference_mode():
             for depth in range(max_tokens):
                 if depth == 0:
@@ -122,11 +126,13 @@ class EagleSession(ProposerSession):
                 tokens.append(token)
                 if dist is not None:
                     dists.append(dist)
+                confidence = _top(logits[0])[0]
+                sources.append(confidence_source(HEAD_SOURCE, confidence))
                 # Stop where the head doubts its own next step: drafts past here are rarely
                 # accepted, and each one widens the target's pass.
-                if self._doubts(logits[0]) and len(tokens) < max_tokens:
+                if confidence < self._proposer.min_confidence and len(tokens) < max_tokens:
                     break
-        return Proposal(tuple(tokens), tuple(dists))
+        return Proposal(tuple(tokens), tuple(dists), tuple(sources))
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= len(self._tokens):
@@ -172,11 +178,6 @@ class EagleSession(ProposerSession):
             with torch.inference_mode():
                 self._first_step = self._proposer.drafter.step(self._feature.to(device)[None], token_ids)
         return self._first_step
-
-    def _doubts(self, logits: torch.Tensor) -> bool:
-        """Whether the head gives its top token less than ``min_confidence`` (logits: [reduced])."""
-        floor = self._proposer.min_confidence
-        return floor > 0 and _top(logits)[0] < floor
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         """A draft token (target id) from the logits over the reduced vocabulary [reduced]."""

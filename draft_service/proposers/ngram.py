@@ -19,6 +19,8 @@ from draft_service.types import Proposal, SamplingConfig
 if TYPE_CHECKING:
     import torch
 
+LOOKUP_SOURCE = "lookup"  # Proposal.sources: "lookup:N", copied after N agreeing tokens (match_bucket)
+
 
 def find_match(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int, int] | None:
     """(where the copied continuation starts, the length n of the matched suffix), or None when no
@@ -38,6 +40,25 @@ def find_match(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int,
         if matches.size:
             return int(matches[-1]) + n, n
     return None
+
+
+def agreeing_run(tokens: np.ndarray, start: int, n: int, limit: int = 64) -> int:
+    """How far back (up to ``limit``) the copied span's context agrees with the sequence's end:
+    at least the match length ``n`` (lookup matches at most ``ngram_max`` tokens, but a copy that
+    has been right for thirty tokens is a safer bet than one that matched four just now)."""
+    seq = tokens.shape[0]
+    run = n
+    while run < limit and start - run - 1 >= 0 and tokens[start - run - 1] == tokens[seq - run - 1]:
+        run += 1
+    return run
+
+
+def match_bucket(run: int) -> int:
+    """The source bucket of an agreeing run: 1, 2, 3, then 4, 8, 16 for runs from there on."""
+    for bucket in (16, 8, 4):
+        if run >= bucket:
+            return bucket
+    return run
 
 
 def find_continuation(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> int | None:
@@ -73,7 +94,8 @@ class NgramSession(ProposerSession):
         # in repetitive text); it then continues with the tokens it proposes itself, i.e. the
         # span repeats with period len - start.
         continuation = np.resize(tokens[start:], max_tokens)  # [max_tokens]
-        return Proposal(tuple(int(t) for t in continuation)), n
+        source = f"{LOOKUP_SOURCE}:{match_bucket(agreeing_run(tokens, start, n))}"
+        return Proposal(tuple(int(t) for t in continuation), sources=(source,) * max_tokens), n
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= self._tokens.shape[0]:

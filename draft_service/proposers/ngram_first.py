@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING
 
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession
-from draft_service.proposers.ngram import NgramProposer, NgramSession
+from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
 from draft_service.types import Proposal, SamplingConfig, SparseDist
 
 if TYPE_CHECKING:
     import torch
+
+COPY_SOURCE = "copy"  # Proposal.sources: lookup's continuation of the head's drafts
 
 
 class NgramFirstSession(ProposerSession):
@@ -75,13 +77,16 @@ class NgramFirstSession(ProposerSession):
         room = max_tokens - len(proposal.token_ids)
         if room <= 0:
             return proposal
-        copied = self._ngram.lookup(room, after=proposal.token_ids, ngram_min=2)[0].token_ids
-        if not copied:
+        copied = self._ngram.lookup(room, after=proposal.token_ids, ngram_min=2)[0]
+        if not copied.token_ids:
             return proposal
         self.continued += 1
-        one_hot = tuple(SparseDist((t,), (1.0,)) for t in copied)
+        one_hot = tuple(SparseDist((t,), (1.0,)) for t in copied.token_ids)
         probs = (proposal.probs + one_hot) if proposal.probs else ()  # greedy blocks carry no q
-        return Proposal(proposal.token_ids + copied, probs)
+        # "copy:N" apart from "lookup:N": a span copied after guesses is a weaker bet than one after
+        # committed tokens.
+        sources = proposal.sources + tuple(s.replace(LOOKUP_SOURCE, COPY_SOURCE, 1) for s in copied.sources)
+        return Proposal(proposal.token_ids + copied.token_ids, probs, sources if proposal.sources else ())
 
     def _head_overrules(self, lookup_first: int, match_len: int) -> bool:
         """Whether a lookup block copied after a one-token match gives way to the head.

@@ -1,0 +1,173 @@
+"""How many of a proposal's drafts to send: the length that buys the most tokens per second.
+
+A draft deep in a block is worth only the chance that it and every draft before it are accepted,
+and a verification pass does not cost the same for every width: on the 2-core EPYC a gemma-3-270m
+pass over 4 to 6 tokens took 45 ms and one over 7 or 8 took 53 to 56 (oneDNN's packed product
+works in tiles of six rows), while on another host the cost rose evenly from 25 ms for one token
+to 34 for eight. A fixed K is right for one host and one kind of text at best. So the draft
+service learns both sides as it serves and cuts each proposal where the expected number of
+committed tokens per second of the round peaks:
+
+    L* = argmax over L in 0..n of  (1 + sum_{i<=L} prod_{j<=i} p_j) / (cost(L + 1) + overhead)
+
+- ``p_j``: the chance that draft j is accepted given that the drafts before it were, counted per
+  *source* (what drafted it and how sure it was: ``lookup:8`` = copied from a span whose last 8
+  to 15 tokens agree with the sequence's end, ``head:0.7`` = the eagle head gave it 70 to 80%)
+  and depth in the block, over every verdict the service has seen (``AcceptanceTally``), and
+  shrunk towards the session's own tally where the session has one. The proposer names the
+  sources (``Proposal.sources``); a proposal without them is sent whole.
+- ``cost(n)``: the median seconds from sending a block of n - 1 drafts to its verdict, over the
+  last rounds that sent such a block (``RoundCosts``); sizes never seen are interpolated from the
+  sizes next to them, and without any the proposal is sent whole. ``overhead``: the median time
+  the proposer took, spent whatever the length.
+
+The numerator is the tokens a round commits in expectation (the accepted drafts plus the target's
+own token), so cutting never changes which tokens are committed, only how many rounds it takes:
+greedy output stays the target's, and a sampled block cut short is still verified exactly.
+Cutting is per round and myopic (it maximises this round's rate rather than the long-run one),
+which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it with fixed K.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_DEPTH_BUCKET = 4  # depths 4 and beyond share their tallies
+COST_WINDOW = 48  # round costs remembered per block size
+MIN_COST_SAMPLES = 3  # rounds of a size before its median counts
+# A session's own tallies count against the service's as if the service's rate had been seen this
+# many times in the session: text that copies itself (JSON) and text that does not (prose) differ
+# more than one service-wide rate per source can say.
+SESSION_PRIOR_WEIGHT = 8.0
+EXPLORE_EVERY = 16  # every so many proposals go whole, so tallies of what is usually cut stay current
+
+
+@dataclass
+class _Count:
+    offered: int = 0
+    accepted: int = 0
+
+
+def confidence_source(kind: str, probability: float) -> str:
+    """The source of a model's draft given the probability the model gave it, in tenths
+    (``head:0.7`` for 0.7 <= p < 0.8): a model's confidence says much about acceptance, but its
+    calibration is learned here, not assumed."""
+    tenth = min(9, max(0, int(probability * 10)))
+    return f"{kind}:{tenth / 10:.1f}"
+
+
+class AcceptanceTally:
+    """Acceptance per (source, depth), with a uniform prior (Laplace's rule of succession)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, int], _Count] = {}
+
+    def estimate(self, source: str, depth: int) -> float:
+        count = self._counts.get(_key(source, depth))
+        if count is None:
+            return 0.5
+        return (count.accepted + 1) / (count.offered + 2)
+
+    def blended(self, source: str, depth: int, prior: float, weight: float) -> float:
+        """This tally's rate shrunk towards ``prior`` as if ``prior`` had been seen ``weight`` times."""
+        count = self._counts.get(_key(source, depth)) or _Count()
+        return (count.accepted + weight * prior) / (count.offered + weight)
+
+    def observe(self, sources: Sequence[str], num_accepted: int) -> None:
+        """Drafts before ``num_accepted`` were accepted, the one at it was rejected, later ones
+        were never judged (the target stops at the first rejection)."""
+        for depth, source in enumerate(sources[: num_accepted + 1]):
+            count = self._counts.setdefault(_key(source, depth), _Count())
+            count.offered += 1
+            count.accepted += depth < num_accepted
+
+
+def _key(source: str, depth: int) -> tuple[str, int]:
+    return source, min(depth, MAX_DEPTH_BUCKET)
+
+
+@dataclass
+class RoundCosts:
+    """Recent seconds per block size (rows = drafts + 1), as medians over a window."""
+
+    window: int = COST_WINDOW
+    _samples: dict[int, deque[float]] = field(default_factory=dict)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._samples.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def medians(self) -> dict[int, float]:
+        return {
+            rows: statistics.median(samples)
+            for rows, samples in sorted(self._samples.items())
+            if len(samples) >= MIN_COST_SAMPLES
+        }
+
+    def estimate(self, rows: int, medians: dict[int, float] | None = None) -> float | None:
+        """The median for ``rows``, else interpolated between the nearest known sizes (the nearest
+        one where only one side is known); None before any size is known."""
+        known = self.medians() if medians is None else medians
+        if not known:
+            return None
+        if rows in known:
+            return known[rows]
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is None or above is None:
+            return known[below if above is None else above]
+        weight = (rows - below) / (above - below)
+        return known[below] + weight * (known[above] - known[below])
+
+
+class BlockLengthPolicy:
+    """One per draft service (the target's costs and the drafter's habits are the service's, not a
+    session's); sessions call ``length`` before sending a block and ``observe`` with its verdict."""
+
+    def __init__(self, explore_every: int = EXPLORE_EVERY) -> None:
+        """``explore_every``: one proposal in so many is sent whole (0 = never), because the tallies
+        only learn from drafts that are sent: a source judged poor on one kind of text would
+        otherwise never get the chance to do better on another."""
+        self.acceptance = AcceptanceTally()
+        self.costs = RoundCosts()
+        self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
+        self._explore_every = explore_every
+        self._decisions = 0
+
+    def length(self, sources: Sequence[str], session: AcceptanceTally | None = None) -> int:
+        """How many of the drafts named by ``sources`` to send (all of them until costs are known)."""
+        n = len(sources)
+        medians = self.costs.medians()
+        if n == 0 or not medians:
+            return n
+        self._decisions += 1
+        if self._explore_every and self._decisions % self._explore_every == 0:
+            return n
+        overhead = statistics.median(self._propose_seconds) if self._propose_seconds else 0.0
+        best_length, best_rate = n, -1.0
+        expected, reach = 1.0, 1.0  # tokens committed in expectation; chance all drafts so far pass
+        for length in range(n + 1):
+            if length:
+                source, depth = sources[length - 1], length - 1
+                p = self.acceptance.estimate(source, depth)
+                if session is not None:
+                    p = session.blended(source, depth, p, SESSION_PRIOR_WEIGHT)
+                reach *= p
+                expected += reach
+            seconds = self.costs.estimate(length + 1, medians) + overhead
+            rate = expected / seconds if seconds > 0 else float("inf")
+            if rate > best_rate:
+                best_length, best_rate = length, rate
+        return best_length
+
+    def observe(
+        self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float, propose_seconds: float
+    ) -> None:
+        """A verdict of a block of ``rows - 1`` drafts (named by ``sources``, when the proposer
+        names them) that took ``seconds`` from sending to verdict and ``propose_seconds`` to draft."""
+        if sources:
+            self.acceptance.observe(sources, num_accepted)
+        self.costs.observe(rows, seconds)
+        self._propose_seconds.append(propose_seconds)

@@ -1,0 +1,174 @@
+"""Cutting proposals to the length that pays (``draft_service.block_length``), and the sources
+the proposers name for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, load_tiny
+
+from draft_service.block_length import (
+    MIN_COST_SAMPLES,
+    AcceptanceTally,
+    BlockLengthPolicy,
+    RoundCosts,
+    confidence_source,
+)
+from draft_service.loop import SpeculationLoop
+from draft_service.proposers.hf import HfProposer
+from draft_service.proposers.ngram import NgramProposer, agreeing_run, match_bucket
+from draft_service.types import FinishReason, Proposal, SamplingConfig, SessionSpec, SparseDist
+
+PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
+
+
+def policy_with_costs(costs_ms: dict[int, float], explore_every: int = 0) -> BlockLengthPolicy:
+    policy = BlockLengthPolicy(explore_every=explore_every)
+    for rows, ms in costs_ms.items():
+        for _ in range(MIN_COST_SAMPLES):
+            policy.costs.observe(rows, ms / 1000)
+    return policy
+
+
+def test_a_verdict_counts_accepted_drafts_the_rejected_one_and_not_those_after_it():
+    tally = AcceptanceTally()
+    tally.observe(["a", "a", "a", "a"], num_accepted=2)
+    assert tally.estimate("a", 0) == pytest.approx(2 / 3)  # (1 accepted + 1) / (1 offered + 2)
+    assert tally.estimate("a", 1) == pytest.approx(2 / 3)
+    assert tally.estimate("a", 2) == pytest.approx(1 / 3)  # offered and rejected
+    assert tally.estimate("a", 3) == 0.5  # never judged: the prior
+    tally.observe(["b"], num_accepted=1)  # the whole block accepted
+    assert tally.estimate("b", 0) == pytest.approx(2 / 3)
+
+
+def test_deep_drafts_share_a_tally_and_blending_weighs_the_prior():
+    tally = AcceptanceTally()
+    tally.observe(["a"] * 8, num_accepted=8)
+    assert tally.estimate("a", 6) == tally.estimate("a", 4) == pytest.approx((4 + 1) / (4 + 2))
+    assert tally.blended("a", 0, prior=0.0, weight=1.0) == pytest.approx(0.5)  # 1 of 1 against 0 seen once
+    assert tally.blended("unseen", 0, prior=0.3, weight=8.0) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("probability", "source"), [(0.0, "head:0.0"), (0.749, "head:0.7"), (0.75, "head:0.7"), (1.0, "head:0.9")]
+)
+def test_confidence_sources_are_tenths(probability, source):
+    assert confidence_source("head", probability) == source
+
+
+def test_round_costs_are_medians_interpolated_between_known_sizes():
+    costs = RoundCosts()
+    costs.observe(2, 1.0)  # an outlier: the median ignores it
+    assert costs.estimate(2) is None  # fewer samples than MIN_COST_SAMPLES
+    for seconds in (0.010, 0.011, 0.012, 0.013):
+        costs.observe(2, seconds)
+    for _ in range(MIN_COST_SAMPLES):
+        costs.observe(6, 0.030)
+    assert costs.estimate(2) == pytest.approx(0.012)
+    assert costs.estimate(4) == pytest.approx(0.012 + 0.5 * (0.030 - 0.012))
+    assert costs.estimate(1) == pytest.approx(0.012)  # below every known size: the nearest
+    assert costs.estimate(8) == pytest.approx(0.030)
+
+
+def test_without_costs_or_sources_a_proposal_goes_whole():
+    policy = BlockLengthPolicy()
+    assert policy.length(["lookup:1"] * 5) == 5
+    assert policy_with_costs({1: 10, 2: 10}).length([]) == 0
+
+
+def test_a_cheap_wider_pass_keeps_every_draft():
+    policy = policy_with_costs({1: 10, 8: 10})
+    assert policy.length(["lookup:1"] * 7) == 7
+
+
+def test_a_costly_wider_pass_cuts_unlikely_drafts_before_it():
+    policy = policy_with_costs({1: 10, 2: 10, 3: 10, 4: 12, 5: 12})
+    for _ in range(20):
+        policy.acceptance.observe(["x"] * 4, num_accepted=0)
+        policy.acceptance.observe(["x"] * 4, num_accepted=1)
+    assert policy.length(["x"] * 4) == 2  # as far as the pass costs the same
+    for _ in range(200):  # drafts that always pass are worth the dearer pass
+        policy.acceptance.observe(["sure"] * 4, num_accepted=4)
+    assert policy.length(["sure"] * 4) == 4
+
+
+def test_when_no_draft_pays_for_a_wider_pass_the_block_is_empty():
+    policy = policy_with_costs({1: 10, 2: 20})
+    for _ in range(50):
+        policy.acceptance.observe(["junk"], num_accepted=0)
+    assert policy.length(["junk"] * 3) == 0
+
+
+def test_the_sessions_own_record_can_outweigh_the_services():
+    policy = policy_with_costs({1: 10, 2: 10, 3: 12})
+    for _ in range(100):
+        policy.acceptance.observe(["x", "x"], num_accepted=0)
+    assert policy.length(["x", "x"]) == 1
+    session = AcceptanceTally()
+    for _ in range(50):
+        session.observe(["x", "x"], num_accepted=2)
+    assert policy.length(["x", "x"], session) == 2
+
+
+def test_every_so_often_a_proposal_goes_whole_to_keep_learning():
+    policy = policy_with_costs({1: 10, 2: 20}, explore_every=4)
+    for _ in range(50):
+        policy.acceptance.observe(["junk"], num_accepted=0)
+    assert [policy.length(["junk"] * 3) for _ in range(8)] == [0, 0, 0, 3, 0, 0, 0, 3]
+
+
+def test_propose_time_counts_as_overhead_of_every_length():
+    # Without overhead one draft at 0.5 is not worth a pass twice as dear; with a large fixed
+    # overhead the dearer pass matters less than the extra token.
+    policy = policy_with_costs({1: 10, 2: 20})
+    policy.acceptance.observe(["x"], num_accepted=1)  # estimate 2/3
+    assert policy.length(["x"]) == 0
+    for _ in range(5):
+        policy.observe(["x"], 1, rows=2, seconds=0.020, propose_seconds=0.100)
+    assert policy.length(["x"]) == 1
+
+
+def test_a_cut_proposal_keeps_its_q_and_sources_aligned():
+    proposal = Proposal((5, 6, 7), tuple(SparseDist((t,), (1.0,)) for t in (5, 6, 7)), ("a", "b", "c"))
+    cut = proposal.cut(2)
+    assert cut.token_ids == (5, 6) and cut.sources == ("a", "b") and len(cut.probs) == 2
+    assert proposal.cut(3) is proposal and proposal.cut(0).token_ids == ()
+    with pytest.raises(ValueError, match="sources"):
+        Proposal((1, 2), sources=("a",))
+
+
+def test_lookup_names_how_long_the_copied_context_has_agreed():
+    tokens = np.array([9, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6])
+    # The suffix's last 4 tokens recur at 3..6; the agreement reaches back 6 tokens to the 1.
+    assert agreeing_run(tokens, start=7, n=4) == 6
+    assert [match_bucket(r) for r in (1, 2, 3, 4, 7, 8, 15, 16, 40)] == [1, 2, 3, 4, 4, 8, 8, 16, 16]
+    session = NgramProposer(ngram_max=4).new_session(tokens.tolist(), SamplingConfig())
+    proposal = session.propose(3)
+    assert proposal.token_ids == (7, 8, 0) and proposal.sources == ("lookup:4",) * 3
+
+
+async def run_inline(fn, *args):
+    return fn(*args)
+
+
+async def test_the_loop_sends_cut_blocks_and_the_output_stays_the_targets(tiny_dir):
+    target = load_tiny(tiny_dir)
+    n = 24
+    reference = ReferenceTarget(target.model, (target.tokenizer.eos_token_id,))
+    first, _ = reference.prefill("s", PROMPT, max_new_tokens=n)
+    committed = (*PROMPT, first)
+    verifier = InMemoryVerifier(reference)
+    # Passes past three rows look a thousand times dearer: blocks keep two drafts.
+    policy = policy_with_costs({1: 1, 2: 1, 3: 1, 4: 1000, 5: 1000})
+    spec = SessionSpec(
+        "s", committed, len(PROMPT), SamplingConfig(), num_speculative_tokens=4, session_max_new_tokens=n
+    )
+    session = HfProposer(target).new_session(committed, SamplingConfig())  # drafts name "model:..." sources
+    loop = SpeculationLoop(spec, session, verifier, run_inline, lengths=policy)
+    results = [result async for result in loop.rounds()]
+    streamed = [token for result in results for token in result.token_ids]
+    assert [first, *streamed] == generate_greedy(target.model, PROMPT, n, target.tokenizer.eos_token_id)
+    assert results[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert max(len(block.proposal.token_ids) for block in verifier.blocks) == 2
+    assert all(source.startswith("model:") for block in verifier.blocks for source in block.proposal.sources)
+    assert policy.acceptance.estimate(verifier.blocks[0].proposal.sources[0], 0) > 0.5  # it learned
