@@ -65,6 +65,11 @@ class AcceptanceTally:
     def __init__(self) -> None:
         self._counts: dict[tuple[str, int], _Count] = {}
 
+    @property
+    def offered(self) -> int:
+        """Drafts judged so far."""
+        return sum(count.offered for count in self._counts.values())
+
     def estimate(self, source: str, depth: int) -> float:
         count = self._counts.get(_key(source, depth))
         if count is None:

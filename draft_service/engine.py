@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from draft_service.block_length import BlockLengthPolicy
+from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.proposers.base import Proposer, ProposerSession
@@ -61,6 +61,7 @@ class _Parked:
     sampling: SamplingConfig
     pending_commit: PendingCommit | None
     parked_at: float
+    acceptance: AcceptanceTally | None = None  # the session's own record for the block-length policy
 
 
 class _Outcome(enum.Enum):
@@ -132,7 +133,7 @@ class DraftEngine:
         committed = list(spec.token_ids)
         finish_reason = FinishReason.NONE
         try:
-            proposer_session, pending_commit = self._resume(spec)
+            proposer_session, pending_commit, acceptance = self._resume(spec)
             if proposer_session is None:
                 proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
             stream = self._target.open_verify_stream(spec.session_id)
@@ -146,6 +147,7 @@ class DraftEngine:
                 want_hidden_states=self.proposer.wants_hidden_states,
                 pending_commit=pending_commit,
                 lengths=self.block_lengths,
+                acceptance=acceptance,
             )
             async for result in loop.rounds():
                 if result.verified:
@@ -163,7 +165,7 @@ class DraftEngine:
             gauge.dec()
             if proposer_session is not None:
                 if outcome is _Outcome.COMPLETED and finish_reason is FinishReason.NONE and loop is not None:
-                    self._park(spec, proposer_session, tuple(committed), loop.pending_commit)
+                    self._park(spec, proposer_session, tuple(committed), loop.pending_commit, loop.acceptance)
                 else:
                     # Queued behind a proposal that may still run for this session on the model thread.
                     self._worker.submit(proposer_session.close)
@@ -175,19 +177,21 @@ class DraftEngine:
             if outcome is _Outcome.ABANDONED:
                 self._release_later(spec.session_id)
 
-    def _resume(self, spec: SessionSpec) -> tuple[ProposerSession | None, PendingCommit | None]:
-        """The session's parked proposer session and its pending verdict, when it stands for exactly
-        the committed sequence (and sampling) of this call; (None, None) otherwise."""
+    def _resume(
+        self, spec: SessionSpec
+    ) -> tuple[ProposerSession | None, PendingCommit | None, AcceptanceTally | None]:
+        """The session's parked proposer session, its pending verdict and its acceptance record,
+        when it stands for exactly the committed sequence (and sampling) of this call; Nones otherwise."""
         self._expire_parked()
         parked = self._parked.pop(spec.session_id, None)
         if parked is None:
-            return None, None
+            return None, None, None
         if parked.token_ids != tuple(spec.token_ids) or parked.sampling != spec.sampling:
             # Tokens were committed meanwhile by someone else (the target's Generate): start afresh.
             self._worker.submit(parked.session.close)
-            return None, None
+            return None, None, parked.acceptance
         log.debug("session %r resumes its proposer session at %d tokens", spec.session_id, len(parked.token_ids))
-        return parked.session, parked.pending_commit
+        return parked.session, parked.pending_commit, parked.acceptance
 
     def _park(
         self,
@@ -195,8 +199,11 @@ class DraftEngine:
         session: ProposerSession,
         token_ids: tuple[int, ...],
         pending_commit: PendingCommit | None,
+        acceptance: AcceptanceTally | None = None,
     ) -> None:
-        self._parked[spec.session_id] = _Parked(session, token_ids, spec.sampling, pending_commit, self._clock())
+        self._parked[spec.session_id] = _Parked(
+            session, token_ids, spec.sampling, pending_commit, self._clock(), acceptance
+        )
         self._parked.move_to_end(spec.session_id)
         while len(self._parked) > self._max_parked:
             _, oldest = self._parked.popitem(last=False)

@@ -55,12 +55,14 @@ class SpeculationLoop:
         want_hidden_states: bool = False,
         pending_commit: PendingCommit | None = None,
         lengths: BlockLengthPolicy | None = None,
+        acceptance: AcceptanceTally | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``pending_commit``: a verdict the proposer session has not applied yet (a session resumed
         from an earlier call, ``pending_commit`` of that call's loop). ``lengths``: the service's
         policy that cuts proposals to the length that pays best, and learns from each verdict
-        (None: every proposal is sent whole)."""
+        (None: every proposal is sent whole); ``acceptance``: the session's own record from an
+        earlier call (a fresh one when None)."""
         self._spec = spec
         self._proposer = proposer
         self._verifier = verifier
@@ -70,7 +72,7 @@ class SpeculationLoop:
         self._want_hidden_states = want_hidden_states
         self._clock = clock
         self._lengths = lengths
-        self._acceptance = AcceptanceTally()  # this session's own, which ``lengths`` weighs in
+        self.acceptance = acceptance if acceptance is not None else AcceptanceTally()  # weighed in by ``lengths``
         # Sampled drafts are accepted by chance, greedy ones by agreement: tallied apart.
         self._source_prefix = "" if spec.sampling.greedy else "sampled/"
         self._committed_len = len(spec.token_ids)  # of the sequence as the target has it
@@ -94,7 +96,7 @@ class SpeculationLoop:
             proposed = self._clock()
             sources = tuple(self._source_prefix + source for source in proposal.sources)
             if self._lengths is not None and sources:
-                proposal = proposal.cut(self._lengths.length(sources, self._acceptance))
+                proposal = proposal.cut(self._lengths.length(sources, self.acceptance))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             verdict = await self._verify(base_len, proposal)
             if verdict.status is VerdictStatus.STALE:
@@ -103,7 +105,7 @@ class SpeculationLoop:
             self._stale_in_a_row = 0
             if self._lengths is not None and verdict.status is VerdictStatus.OK:
                 sent = sources[: len(proposal.token_ids)]
-                self._acceptance.observe(sent, verdict.num_accepted)
+                self.acceptance.observe(sent, verdict.num_accepted)
                 self._lengths.observe(
                     sent,
                     verdict.num_accepted,

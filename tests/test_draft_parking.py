@@ -7,6 +7,7 @@ from contextlib import aclosing
 import pytest
 from draft_fakes import InMemoryVerifier, ReferenceTarget, load_tiny
 
+from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.types import FinishReason, SamplingConfig, SessionSpec, TargetInfo
@@ -124,3 +125,24 @@ async def test_parked_sessions_expire_are_bounded_and_never_resume_on_other_toke
     await engine.aclose()
     await drained(worker)
     assert proposer.closed == proposer.opened
+
+
+async def test_a_sessions_acceptance_record_outlives_its_calls(target) -> None:
+    """The block-length policy weighs the session's own record: a leg after another (or after a
+    fallback to the target's Generate) goes on with it rather than with an empty one."""
+    reference = ReferenceTarget(target.model)
+    worker = ModelWorker("test-draft")
+    info = TargetInfo("tiny", int(target.model.config.vocab_size), "")
+    engine = DraftEngine(
+        NgramProposer(), Port(reference), info, worker, make_metrics("draft"), default_k=3,
+        block_lengths=BlockLengthPolicy(),
+    )
+    reference.prefill("s", (*PROMPT, *PROMPT), max_new_tokens=40)  # the prompt recurs: lookup drafts
+    await leg(engine, reference, "s", 6)
+    record = engine._parked["s"].acceptance
+    offered = record.offered
+    assert offered > 0
+    await leg(engine, reference, "s", 6)  # resumed
+    assert engine._parked["s"].acceptance is record and record.offered > offered
+    await engine.aclose()
+    worker.shutdown()
