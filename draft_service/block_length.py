@@ -30,11 +30,15 @@ which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it w
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
+LOG_EVERY = 256  # rounds between two debug lines with the learned costs
 MAX_DEPTH_BUCKET = 4  # depths 4 and beyond share their tallies
 COST_WINDOW = 48  # round costs remembered per block size
 MIN_COST_SAMPLES = 3  # rounds of a size before its median counts
@@ -140,6 +144,7 @@ class BlockLengthPolicy:
         self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
         self._explore_every = explore_every
         self._decisions = 0
+        self._rounds = 0
 
     def length(self, sources: Sequence[str], session: AcceptanceTally | None = None) -> int:
         """How many of the drafts named by ``sources`` to send (all of them until costs are known)."""
@@ -176,3 +181,7 @@ class BlockLengthPolicy:
             self.acceptance.observe(sources, num_accepted)
         self.costs.observe(rows, seconds)
         self._propose_seconds.append(propose_seconds)
+        self._rounds += 1
+        if self._rounds % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):
+            costs = ", ".join(f"{rows}: {1000 * median:.1f}" for rows, median in self.costs.medians().items())
+            log.debug("block-length policy after %d rounds: round ms by block width {%s}", self._rounds, costs)

@@ -172,3 +172,11 @@ async def test_the_loop_sends_cut_blocks_and_the_output_stays_the_targets(tiny_d
     assert max(len(block.proposal.token_ids) for block in verifier.blocks) == 2
     assert all(source.startswith("model:") for block in verifier.blocks for source in block.proposal.sources)
     assert policy.acceptance.estimate(verifier.blocks[0].proposal.sources[0], 0) > 0.5  # it learned
+
+
+def test_the_learned_costs_are_logged_for_operators_at_debug(caplog):
+    policy = BlockLengthPolicy()
+    with caplog.at_level("DEBUG", logger="draft_service.block_length"):
+        for _ in range(256):
+            policy.observe(["x"], 1, rows=2, seconds=0.020, propose_seconds=0.001)
+    assert "after 256 rounds: round ms by block width {2: 20.0}" in caplog.text
