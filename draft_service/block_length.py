@@ -2,8 +2,8 @@
 
 A draft deep in a block is worth only the chance that it and every draft before it are accepted,
 and a verification pass does not cost the same for every width: on the 2-core EPYC a gemma-3-270m
-pass over 4 to 6 tokens took 45 ms and one over 7 or 8 took 53 to 56 (oneDNN's packed product
-works in tiles of six rows), while on another host the cost rose evenly from 25 ms for one token
+pass over 4 to 6 tokens took 45 ms and one over 7 or 8 took 53 to 56 (the LM head's packed product
+alone: 18 ms for 3 to 6 rows, 22 to 24 for 7 or 8), while on another host the cost rose evenly from 25 ms for one token
 to 34 for eight. A fixed K is right for one host and one kind of text at best. So the draft
 service learns both sides as it serves and cuts each proposal where the expected number of
 committed tokens per second of the round peaks:
