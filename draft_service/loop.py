@@ -94,8 +94,9 @@ class SpeculationLoop:
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
             proposed = self._clock()
-            sources = tuple(self._source_prefix + source for source in proposal.sources)
-            if self._lengths is not None and sources:
+            sources = ()
+            if self._lengths is not None and proposal.sources:
+                sources = tuple(self._source_prefix + source for source in proposal.sources)
                 proposal = proposal.cut(self._lengths.length(sources, self.acceptance))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             verdict = await self._verify(base_len, proposal)

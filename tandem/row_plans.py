@@ -13,8 +13,8 @@ so it is measured, not assumed: at load, for one and two rows, this times
   as it does in a forward pass), packed against ``padded_linear`` (the rows padded to four), and
 * the LM head (the output embedding: the largest weight by far) packed, padded and ``few_row_linear``,
 
-each the best of a few sweeps (interleaved, after one that warms up), and gives the layers concerned a ``row_plan`` where another product
-is clearly faster (``MARGIN``). About a second for gemma-3-270m; models under ``MIN_BYTES`` of
+each the best of a few sweeps (interleaved, after one that warms up), and gives the layers
+concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About a second for gemma-3-270m; models under ``MIN_BYTES`` of
 packed weights (tests' tiny models) are left alone. The products agree up to float summation
 order, as the packed one does with itself across row counts.
 """

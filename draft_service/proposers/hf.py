@@ -114,7 +114,8 @@ class HfSession(ProposerSession):
                 tokens.append(token)
                 if dist is not None:
                     dists.append(dist)
-                confidence = float(torch.softmax(logits.float(), dim=-1).max())
+                # The top probability, without a vocabulary-sized softmax: exp(max - logsumexp).
+                confidence = float(torch.exp(logits.max().float() - torch.logsumexp(logits.float(), dim=-1)))
                 sources.append(confidence_source(MODEL_SOURCE, confidence))
                 if position + 1 < k:
                     logits = self._feed([token])
