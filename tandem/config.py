@@ -83,6 +83,11 @@ class TargetSettings(_Base):
         description="memory the sessions' KV caches may take; each session reserves room for its prompt and "
         "max_new_tokens, and sessions past the budget are refused (0 = half the memory free once the model is loaded)",
     )
+    screened_head: bool = Field(
+        True,
+        description="greedy tokens from a bfloat16 copy of the LM head, the few that can win rescored exactly (CPU, "
+        "float32 heads of 64 MB or more; the same tokens, half the head's reads; --no-screened-head: the float32 head)",
+    )
 
 
 class DraftSettings(_Base):

@@ -34,6 +34,7 @@ from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
 from tandem.config import TargetSettings
 from tandem.metrics import Metrics
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
+from tandem.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.v1 import common_pb2
 from target_service import kv_cache, ragged
 from target_service.api import (
@@ -100,6 +101,15 @@ class DecodeStep:
     cancelled: Callable[[], bool] = lambda: False
 
 
+@dataclass(frozen=True)
+class RowScores:
+    """What the LM head gave a step's scored rows: their logits, or for a greedy session whose
+    head is screened (``tandem.screened_head``) only each row's argmax, all greedy decoding uses."""
+
+    logits: torch.Tensor | None = None  # [rows, vocab]
+    argmax: torch.Tensor | None = None  # [rows] int64
+
+
 @dataclass
 class _Step:
     """A session's rows in a forward pass, and what to do with their outputs."""
@@ -107,8 +117,9 @@ class _Step:
     session: Session
     token_ids: list[int]  # fed after the session's cache: its last committed token, then any drafts
     want_hidden: bool
-    finish: Callable[[torch.Tensor, torch.Tensor | None, float], Answer]
-    last_only: bool = False  # logits of the last row only (a prefill chunk, a decode step)
+    finish: Callable[[RowScores, torch.Tensor | None, float], Answer]
+    last_only: bool = False  # scores of the last row only (a prefill chunk, a decode step)
+    screened: bool = False  # argmax only, through the engine's screened head (greedy sessions)
 
 
 RAGGED_LONE_MAX_ROWS = 16  # a longer lone step (a prompt chunk) keeps transformers' causal SDPA path
@@ -129,8 +140,11 @@ class TargetEngine:
         kv_cache_bytes: int = 0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        screened_head: bool = True,
     ) -> None:
-        """``kv_cache_bytes``: the memory the sessions' caches may reserve (0 = no budget)."""
+        """``kv_cache_bytes``: the memory the sessions' caches may reserve (0 = no budget).
+        ``screened_head``: greedy sessions take their tokens from a bfloat16 screen of the LM head
+        rescored exactly (``tandem.screened_head``) where the model and device allow it."""
         if prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -155,6 +169,9 @@ class TargetEngine:
         sdpa = self.attention == ragged.PREFIX + "sdpa"
         self.ragged_after = _sliding_window(text_config) if sdpa else None
         self.verifier = select_verifier(loaded.device)
+        self.greedy_head: ScreenedArgmax | None = (
+            screened_argmax_for(self.model, loaded.device) if screened_head else None
+        )
         log.info("target attention: %s; verifier: %s", self.attention, self.verifier.backend)
         self.info = EngineInfo(
             model_name=loaded.name,
@@ -199,6 +216,7 @@ class TargetEngine:
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             max_batched_tokens=settings.max_batched_tokens,
             metrics=metrics,
+            screened_head=settings.screened_head,
         )
 
     # ----------------------------------------------------------------------------- requests
@@ -304,9 +322,9 @@ class TargetEngine:
             else:
                 if self.metrics is not None:
                     self.metrics.pass_sessions.observe(len(steps))
-                for (i, step), (logits, hidden) in zip(steps, outputs):
+                for (i, step), (scores, hidden) in zip(steps, outputs):
                     try:
-                        answers[i] = step.finish(logits, hidden, started)
+                        answers[i] = step.finish(scores, hidden, started)
                     except Exception as error:  # noqa: BLE001
                         answers[i] = error
         return answers
@@ -315,21 +333,22 @@ class TargetEngine:
         session, chunk = job.session, job.next_chunk
         last = job.done + len(chunk) == len(job.prompt)
 
-        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> PrefillResult | None:
-            # logits [1, vocab] (the chunk's last row), hidden [chunk, hidden_size] when asked for
+        def finish(scores: RowScores, hidden: torch.Tensor | None, started: float) -> PrefillResult | None:
+            # scores of the chunk's last row, hidden [chunk, hidden_size] when asked for
             job.done += len(chunk)
             if hidden is not None:
                 job.hidden.append(hidden)
             if not last:
                 return None
-            first = self._sample(session, logits)
+            first = self._sample(session, scores)
             self.store.add(session)
             committed, reason = self._cut(session, [first])
             self._commit(session, committed, reason)
             hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
             return PrefillResult(first, session.committed_len, reason, hidden_states)
 
-        return _Step(session, chunk, session.config.return_hidden_states, finish, last_only=True)
+        want_hidden = session.config.return_hidden_states
+        return _Step(session, chunk, want_hidden, finish, last_only=True, screened=self._screened(session))
 
     def _plan_verify(self, block: DraftBlock) -> Verdict | _Step:
         """Checks a block; a FINISHED or STALE verdict needs no pass, an OK one gets its rows."""
@@ -346,23 +365,13 @@ class TargetEngine:
         k = min(len(block.draft_token_ids), session.remaining - 1)
         drafts = list(block.draft_token_ids[:k])
 
-        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> Verdict:
-            # logits [k+1, vocab], hidden [k+1, hidden]: row i scores the token after [last committed, *drafts][i].
-            q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
-            uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
-            num_accepted, next_token = self.verifier.verify_chain(
-                logits[None],  # [1, k+1, vocab]
-                torch.tensor([drafts], dtype=torch.long, device=self.device).reshape(1, k),  # [1, k]
-                q_ids,
-                q_probs,
-                session.sampling.temperature,
-                session.sampling.top_p,
-                session.sampling.top_k,
-                uniforms,
-                exponentials,
-            )
-            accepted = int(num_accepted[0])
-            committed, reason = self._cut(session, [*drafts[:accepted], int(next_token[0])])
+        def finish(scores: RowScores, hidden: torch.Tensor | None, started: float) -> Verdict:
+            # scores of k+1 rows, hidden [k+1, hidden]: row i scores the token after [last committed, *drafts][i].
+            if scores.argmax is not None:
+                accepted, next_token = _greedy_chain(drafts, scores.argmax.tolist())
+            else:
+                accepted, next_token = self._verify_chain(session, block, drafts, scores.logits)
+            committed, reason = self._cut(session, [*drafts[:accepted], next_token])
             self._commit(session, committed, reason)
             elapsed = time.perf_counter() - started
             if self.metrics is not None:
@@ -380,7 +389,27 @@ class TargetEngine:
             )
 
         want_hidden = session.config.return_hidden_states or block.return_hidden_states
-        return _Step(session, [session.tokens[-1], *drafts], want_hidden, finish)
+        return _Step(session, [session.tokens[-1], *drafts], want_hidden, finish, screened=self._screened(session))
+
+    def _verify_chain(
+        self, session: Session, block: DraftBlock, drafts: list[int], logits: torch.Tensor
+    ) -> tuple[int, int]:
+        """(accepted drafts, the recovered or bonus token) by the verifier, from full logits [k+1, vocab]."""
+        k = len(drafts)
+        q_ids, q_probs = self._proposal(block, k)  # [1, k, m] x2
+        uniforms, exponentials = self._randomness(session, k)  # [1, k], [1, vocab]
+        num_accepted, next_token = self.verifier.verify_chain(
+            logits[None],  # [1, k+1, vocab]
+            torch.tensor([drafts], dtype=torch.long, device=self.device).reshape(1, k),  # [1, k]
+            q_ids,
+            q_probs,
+            session.sampling.temperature,
+            session.sampling.top_p,
+            session.sampling.top_k,
+            uniforms,
+            exponentials,
+        )
+        return int(num_accepted[0]), int(next_token[0])
 
     def _plan_decode(self, step: DecodeStep) -> GenerateResult | _Step:
         """A finished session answers with no tokens; a live one gets one row."""
@@ -388,8 +417,8 @@ class TargetEngine:
         if session.finished:
             return GenerateResult((), session.committed_len, session.finish_reason)
 
-        def finish(logits: torch.Tensor, hidden: torch.Tensor | None, started: float) -> GenerateResult:
-            token = self._sample(session, logits[-1:])  # logits: [1, vocab]
+        def finish(scores: RowScores, hidden: torch.Tensor | None, started: float) -> GenerateResult:
+            token = self._sample(session, scores)
             if step.cancelled():
                 kv_cache.truncate(session.cache, session.committed_len - 1)
                 return GenerateResult((), session.committed_len, session.finish_reason)
@@ -397,7 +426,7 @@ class TargetEngine:
             self._commit(session, committed, reason)
             return GenerateResult(tuple(committed), session.committed_len, session.finish_reason)
 
-        return _Step(session, session.tokens[-1:], False, finish, last_only=True)
+        return _Step(session, session.tokens[-1:], False, finish, last_only=True, screened=self._screened(session))
 
     def release(self, session_id: str) -> bool:
         """Frees the session; False when it did not exist."""
@@ -431,7 +460,9 @@ class TargetEngine:
             generator=make_generator(0, self.device),
             sampling=SamplingTensors.of(config, self.device),
         )
-        logits, _ = self._forward(session, session.tokens)  # [8, vocab]
+        logits, hidden = self._forward(session, session.tokens, want_hidden=self.greedy_head is not None)  # [8, vocab]
+        if self.greedy_head is not None:
+            self.greedy_head(hidden)  # [8]: oneDNN builds its bfloat16 kernels now
         uniforms, exponentials = self._randomness(session, 7)  # [1, 7], [1, vocab]
         drafts = torch.zeros(1, 7, dtype=torch.long, device=self.device)  # [1, 7]
         self.verifier.verify_chain(
@@ -450,22 +481,31 @@ class TargetEngine:
 
     @torch.inference_mode()
     def _forward(
-        self, session: Session, token_ids: Sequence[int], last_only: bool = False, want_hidden: bool = False
+        self,
+        session: Session,
+        token_ids: Sequence[int],
+        last_only: bool = False,
+        want_hidden: bool = False,
+        no_logits: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the model over ``token_ids`` after the session's cache, appending to the cache.
 
-        Returns the logits ``[n, vocab]`` (``[1, vocab]`` with ``last_only``) and, with
-        ``want_hidden``, the final hidden states ``[n, hidden_size]`` (after the final norm: what
-        the LM head multiplies, the features an EAGLE-style drafter is conditioned on).
+        Returns the logits ``[n, vocab]`` (``[1, vocab]`` with ``last_only``, ``[0, vocab]`` with
+        ``no_logits``) and, with ``want_hidden``, the final hidden states ``[n, hidden_size]`` (after
+        the final norm: what the LM head multiplies, the features an EAGLE-style drafter is
+        conditioned on).
         """
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        keep: int | torch.Tensor = 1 if last_only else 0
+        if no_logits:
+            keep = torch.empty(0, dtype=torch.long, device=self.device)  # the LM head over no rows
         try:
             out = self.model(
                 input_ids=input_ids,
                 cache=session.cache,
                 use_cache=True,
                 output_hidden_states=want_hidden,
-                logits_to_keep=1 if last_only else 0,
+                logits_to_keep=keep,
             )
         except Exception:
             # A pass that failed half-way (out of memory, say) may have grown some layers of the
@@ -476,17 +516,23 @@ class TargetEngine:
         hidden = out.hidden_states[-1][0] if want_hidden else None  # [n, hidden_size]
         return logits, hidden
 
-    def _forward_steps(self, steps: Sequence[_Step]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Each step's logits ``[n, vocab]`` and hidden states ``[n, hidden_size]`` (None unless it
-        asked), from one forward pass. A session alone runs as :meth:`_forward` does, except a short
-        step past the sliding window, which the ragged path runs faster (the same logits up to
-        float summation order)."""
+    def _forward_steps(self, steps: Sequence[_Step]) -> list[tuple[RowScores, torch.Tensor | None]]:
+        """Each step's scores and hidden states ``[n, hidden_size]`` (None unless it asked), from
+        one forward pass. A session alone runs as :meth:`_forward` does, except a short step past
+        the sliding window, which the ragged path runs faster (the same logits up to float
+        summation order)."""
         if not self.batched or (len(steps) == 1 and not self._ragged_pays(steps[0])):
-            return [
-                self._forward(step.session, step.token_ids, last_only=step.last_only, want_hidden=step.want_hidden)
+            outputs = [
+                self._forward(
+                    step.session,
+                    step.token_ids,
+                    last_only=step.last_only,
+                    want_hidden=step.want_hidden or step.screened,
+                    no_logits=step.screened,
+                )
                 for step in steps
             ]
-        want_hidden = any(step.want_hidden for step in steps)
+            return self._score(steps, outputs)
         try:
             with torch.inference_mode():
                 logits, hidden = ragged.forward(
@@ -494,17 +540,37 @@ class TargetEngine:
                     [step.session.cache for step in steps],
                     [step.token_ids for step in steps],
                     self.device,
-                    want_hidden=want_hidden,
+                    want_hidden=any(step.want_hidden or step.screened for step in steps),
                     last_only=[step.last_only for step in steps],
+                    no_logits=[step.screened for step in steps],
                 )
         except Exception:
             # As in _forward: caches may have grown in some layers and not others.
             for step in steps:
                 self.store.release(step.session.session_id)
             raise
+        return self._score(steps, [(rows, hidden[i] if hidden is not None else None) for i, rows in enumerate(logits)])
+
+    def _score(
+        self, steps: Sequence[_Step], outputs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> list[tuple[RowScores, torch.Tensor | None]]:
+        """Turns (logits, hidden) per step into (scores, the hidden states it asked for): screened
+        steps get the argmax of their scored rows, all of the pass's through one screen (one read
+        of its weights for every greedy session in the pass)."""
+        screened = [
+            hidden[-1:] if step.last_only else hidden  # [scored rows, hidden_size]
+            for step, (_, hidden) in zip(steps, outputs)
+            if step.screened
+        ]
+        tokens = iter(())
+        if screened:
+            tokens = iter(self.greedy_head(torch.cat(screened)).split([len(rows) for rows in screened]))
         return [
-            (rows, hidden[i] if hidden is not None and step.want_hidden else None)
-            for i, (step, rows) in enumerate(zip(steps, logits))
+            (
+                RowScores(argmax=next(tokens)) if step.screened else RowScores(logits=logits),
+                hidden if step.want_hidden else None,
+            )
+            for step, (logits, hidden) in zip(steps, outputs)
         ]
 
     def _ragged_pays(self, step: _Step) -> bool:
@@ -515,10 +581,17 @@ class TargetEngine:
             and kv_cache.cache_length(step.session.cache) > self.ragged_after
         )
 
-    def _sample(self, session: Session, logits: torch.Tensor) -> int:
-        """One token from the target distribution. ``logits``: [1, vocab]."""
+    def _screened(self, session: Session) -> bool:
+        """Whether the session's tokens come from the screened head: greedy, and the engine has one."""
+        return self.greedy_head is not None and bool(is_greedy(session.sampling.temperature)[0])
+
+    def _sample(self, session: Session, scores: RowScores) -> int:
+        """One token from the target distribution at the last scored row."""
+        if scores.argmax is not None:
+            return int(scores.argmax[-1])
         _, exponentials = self._randomness(session, 0)  # [1, vocab]
         s = session.sampling
+        logits = scores.logits[-1:]  # [1, vocab]
         return int(self.verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, exponentials)[0])
 
     def _randomness(self, session: Session, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -567,6 +640,17 @@ class TargetEngine:
     def _report_live(self, live: int) -> None:
         if self.metrics is not None:
             self.metrics.sessions_active.labels(mode="target").set(live)
+
+
+def _greedy_chain(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification from the target's choices (``targets``: k+1 tokens, row i's argmax):
+    drafts are accepted while they equal the target's choice; the next token is the target's
+    choice after the last accepted one (the recovered token, or the bonus after a full block).
+    What ``verify_chain`` does for a greedy row, without its logits."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted, int(targets[accepted])
 
 
 def _unwrap(answer: Answer | Exception) -> Answer:

@@ -98,11 +98,13 @@ def forward(
     device: torch.device | str,
     want_hidden: bool = False,
     last_only: Sequence[bool] | None = None,
+    no_logits: Sequence[bool] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Runs each session's ``token_ids`` after its cache, in one pass (the model must be
     :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]``
     (``[1, vocab]`` where ``last_only`` says so: a prompt's other rows would cost the LM head for
-    nothing) and, with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
+    nothing; ``[0, vocab]`` where ``no_logits`` says so: the caller scores its rows from the
+    hidden states) and, with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
     if not model.config._attn_implementation.startswith(PREFIX):
         raise RuntimeError("ragged.forward needs ragged.install(model) first")
     sizes = [len(ids) for ids in token_ids]
@@ -113,13 +115,14 @@ def forward(
     input_ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, rows]
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, rows]
     last_only = list(last_only) if last_only is not None else [False] * len(sizes)
-    kept = [1 if last else size for size, last in zip(sizes, last_only)]  # logit rows per session
+    no_logits = list(no_logits) if no_logits is not None else [False] * len(sizes)
+    kept = [0 if none else 1 if last else size for size, last, none in zip(sizes, last_only, no_logits)]  # logit rows
     logits_to_keep: int | torch.Tensor = 0  # all rows
     if sum(kept) < len(flat):
         ends = torch.tensor(sizes).cumsum(0)  # [sessions]
-        logits_to_keep = torch.cat([torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]).to(
-            device
-        )  # [sum(kept)] row indices
+        logits_to_keep = torch.cat(
+            [torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]
+        ).to(device)  # [sum(kept)] row indices (none at all: an empty index, and an LM head over no rows)
     ragged = RaggedCache(caches, sizes)
     with _active(ragged):
         out = model(

@@ -28,6 +28,7 @@ from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import InvalidArgument, SessionNotFound
 from target_service.main import start_target
 from target_service.session import SessionConfig
+from tandem.screened_head import ScreenedArgmax
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,15 @@ def test_gpu_run_batch_through_the_tree_attention_kernel(tiny_gemma_dir) -> None
     _check_run_batch_matches_alone(loaded)
 
 
-def _check_run_batch_matches_alone(target) -> None:
+def test_screened_greedy_tokens_equal_the_float32_heads(target) -> None:
+    """The same rounds with the batched engine's greedy sessions scored by a screened head (forced
+    on: the tiny models' heads are below its size threshold), its twin by the float32 head: the
+    same verdicts, steps and committed tokens, greedy sessions and sampled ones alike (those keep
+    their logits in a pass shared with screened rows)."""
+    _check_run_batch_matches_alone(target, screened=True)
+
+
+def _check_run_batch_matches_alone(target, screened: bool = False) -> None:
     sessions = {
         "g1": SessionConfig(max_new_tokens=24, ignore_eos=True),
         "g2": SessionConfig(max_new_tokens=17, ignore_eos=True),
@@ -207,6 +216,11 @@ def _check_run_batch_matches_alone(target) -> None:
     }
     metrics = make_metrics("target")
     batched, alone = _engine(target, metrics=metrics), _engine(target)
+    assert batched.greedy_head is None  # a tiny head: below the screen's threshold
+    screened_rows = []
+    if screened:
+        head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
+        batched.greedy_head = lambda hidden: screened_rows.append(len(hidden)) or head(hidden)
     alone.ragged_after = None  # the twin runs every call through transformers' own path
     _start(batched, sessions)
     _start(alone, sessions)
@@ -225,6 +239,7 @@ def _check_run_batch_matches_alone(target) -> None:
             if not batched.store.get(s).finished:  # the engine's invariant, for every session of the batch
                 assert kv_cache.cache_length(batched.store.get(s).cache) == batched.store.get(s).committed_len - 1
     assert rounds >= 8
+    assert (sum(screened_rows) > 3 * rounds) == screened  # greedy verify blocks and steps went through the screen
     passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_count") - prefills
     sessions_in_passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") - prefills
     assert passes == rounds and sessions_in_passes > 2 * rounds
