@@ -50,6 +50,7 @@ from draft_service.types import SamplingConfig, TargetInfo
 from tandem.bench.prompts import load_prompts
 from tandem.config import DraftSettings
 from tandem.models import load_model, tokenizer_fingerprint
+from tandem.screened_head import screened_argmax_for
 from target_service import kv_cache
 
 
@@ -82,12 +83,25 @@ def greedy_runs(loaded, prompts, max_tokens: int, cache: Path | None) -> list[di
 def pass_costs(loaded, context: int, max_block: int, sweeps: int = 5) -> dict[int, float]:
     """Median seconds of a pass over n = 1 .. max_block tokens after ``context`` cached tokens.
 
-    The sizes are interleaved over several sweeps, so a burst of load elsewhere on the machine
-    shifts every size alike instead of one.
+    Greedy passes as the target runs them: through the screened LM head where the model gets one
+    (``tandem.screened_head``), else the full logits. The sizes are interleaved over several
+    sweeps, so a burst of load elsewhere on the machine shifts every size alike instead of one.
     """
     model = loaded.model
+    screen = screened_argmax_for(model, loaded.device)
     ids = torch.randint(100, 20000, (1, context))  # [1, context]
     times: dict[int, list[float]] = defaultdict(list)
+
+    def greedy_pass(n: int) -> None:
+        if screen is None:
+            model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=0)
+            return
+        out = model(
+            input_ids=ids[:, :n], cache=cache, use_cache=True, output_hidden_states=True,
+            logits_to_keep=torch.empty(0, dtype=torch.long),
+        )
+        screen(out.hidden_states[-1][0])  # [n] tokens
+
     with torch.inference_mode():
         cache = kv_cache.new_cache()
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -95,7 +109,7 @@ def pass_costs(loaded, context: int, max_block: int, sweeps: int = 5) -> dict[in
             for n in range(1, max_block + 1):
                 for _ in range(3):
                     started = time.perf_counter()
-                    model(input_ids=ids[:, :n], cache=cache, use_cache=True, logits_to_keep=0)
+                    greedy_pass(n)
                     if sweep:  # the first sweep warms up
                         times[n].append(time.perf_counter() - started)
                     kv_cache.truncate(cache, context)

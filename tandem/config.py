@@ -123,7 +123,7 @@ class DraftSettings(_Base):
         "when the head's own next token differs and it gives it at least this probability (0 = never)",
     )
     eagle_vocab: int = Field(
-        8192,
+        4096,
         ge=0,
         description="an eagle head proposes only the N tokens the target picks most often (0 = the head's whole "
         "reduced vocabulary); fewer rows make each draft step cheaper",

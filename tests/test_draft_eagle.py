@@ -353,7 +353,7 @@ def test_settings_choose_the_drafters_dtype_and_vocabulary(llama, llama_head):
     """``--dtype auto`` means bf16 steps for an eagle head; ``--eagle-vocab`` limits its rows."""
     info = target_info(llama)
     settings = DraftSettings(draft_model=str(llama_head), target_model=str(llama.hf_dir), device="cpu")
-    assert settings.eagle_vocab == 8192
+    assert settings.eagle_vocab == 4096
     proposer = make_proposer(settings, info)
     assert proposer.drafter.dtype == torch.bfloat16 and proposer.drafter.vocab_ids.numel() == REDUCED
     settings = DraftSettings(
