@@ -50,6 +50,26 @@ def test_the_match_length_comes_with_the_lookup():
     assert session.lookup(3)[0].token_ids == () and session.lookup(3)[1] == 0
 
 
+def _brute_force_match(tokens: list[int], ngram_max: int, ngram_min: int) -> tuple[int, int] | None:
+    """The definition, spelled out: the longest recurring suffix, then its latest earlier start."""
+    seq = len(tokens)
+    for n in range(min(ngram_max, seq - 1), ngram_min - 1, -1):
+        starts = [i for i in range(seq - n) if tokens[i : i + n] == tokens[seq - n :]]
+        if starts:
+            return starts[-1] + n, n
+    return None
+
+
+def test_the_match_is_the_definitions_on_random_sequences():
+    """Short alphabets make overlapping and repeated matches common."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 40))).tolist()
+        for ngram_max, ngram_min in ((4, 1), (3, 2), (1, 1), (6, 3)):
+            want = _brute_force_match(tokens, ngram_max, ngram_min)
+            assert find_match(np.asarray(tokens, dtype=np.int64), ngram_max, ngram_min) == want, tokens
+
+
 def test_proposes_what_followed_capped_at_k():
     session = NgramProposer().new_session([10, 11, 12, 13, 14, 10, 11], GREEDY)
     assert session.propose(2).token_ids == (12, 13)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import Proposal, SamplingConfig
@@ -26,20 +25,34 @@ def find_match(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int,
     """(where the copied continuation starts, the length n of the matched suffix), or None when no
     suffix n-gram recurs.
 
-    Tries the longest suffix first (n = ngram_max down to ngram_min) and, for that n, the most
-    recent earlier occurrence: longer and more recent matches predict the continuation better.
-    tokens: [seq] int64.
+    Takes the longest suffix that recurs (n = ngram_max down to ngram_min) and, for that n, its
+    most recent earlier occurrence: longer and more recent matches predict the continuation better.
+    Every occurrence ends at an earlier copy of the last token, so only those positions are
+    checked, backwards, one token of the suffix at a time (a few vector operations over the
+    candidates, not one over the whole sequence per n). tokens: [seq] int64.
     """
     seq = tokens.shape[0]
-    for n in range(min(ngram_max, seq - 1), ngram_min - 1, -1):
-        suffix = tokens[seq - n :]  # [n]
-        # Windows of tokens[:-1] start at 0 .. seq-1-n: every occurrence except the suffix itself,
-        # and each is followed by at least one token.
-        windows = sliding_window_view(tokens[:-1], n)  # [seq - n, n]
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            return int(matches[-1]) + n, n
-    return None
+    longest = min(ngram_max, seq - 1)
+    if longest < ngram_min or longest < 1:
+        return None
+    # An occurrence of the n-token suffix ends at some e <= seq - 2 (a token must follow it).
+    ends = np.flatnonzero(tokens[: seq - 1] == tokens[seq - 1])  # [c] candidate ends, ascending
+    if not ends.size:
+        return None
+    agree = np.ones(ends.shape[0], dtype=np.int64)  # [c] suffix tokens each candidate matches so far
+    alive = np.ones(ends.shape[0], dtype=bool)  # [c] still matching
+    for back in range(1, longest):
+        prior = ends - back  # [c]
+        alive &= prior >= 0
+        alive[alive] = tokens[prior[alive]] == tokens[seq - 1 - back]
+        agree += alive
+        if not alive.any():
+            break
+    best = int(agree.max())
+    if best < ngram_min:
+        return None
+    end = int(ends[np.flatnonzero(agree == best)[-1]])  # the most recent of the longest
+    return end + 1, best
 
 
 def agreeing_run(tokens: np.ndarray, start: int, n: int, limit: int = 64) -> int:
