@@ -56,22 +56,27 @@ _SLACK = 1e-5  # absolute: flushed subnormal products, and the threshold's own f
 class ScreenedArgmax:
     """``argmax(hidden @ weight.T, dim=-1)`` exactly, reading a bfloat16 copy of ``weight``."""
 
-    def __init__(self, weight: torch.Tensor, packed: torch.Tensor | None = None) -> None:
-        """``weight``: [vocab, hidden] float32 (kept by reference: the candidates' rows are read
-        from it). ``packed``: oneDNN's packed copy of its bfloat16 rounding (made when None)."""
+    def __init__(self, weight: torch.Tensor) -> None:
+        """``weight``: [vocab, hidden] float32, kept by reference (the candidates' rows are read
+        from it); the screen is a bfloat16 copy made now, so later changes to it are not seen."""
         if weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"need a [vocab, hidden] float32 weight, got {weight.dtype} {tuple(weight.shape)}")
         self.weight = weight.detach()  # [vocab, hidden] float32
-        self._screen = self.weight.to(torch.bfloat16)  # [vocab, hidden], for F.linear without oneDNN
-        self._packed = packed if packed is not None else pack_weight(self._screen)
-        if self._packed is not None:
-            self._screen = None  # the packed copy is all the screen needs
+        screen = self.weight.to(torch.bfloat16)  # [vocab, hidden]
+        # oneDNN's packed copy where it can make one; F.linear over the plain copy otherwise.
+        self._packed = pack_weight(screen)
+        self._screen = screen if self._packed is None else None
         hidden = self.weight.shape[1]
         max_norm = float(self.weight.norm(dim=1).max())
         accumulation = hidden * _ACCUMULATION / (1 - hidden * _ACCUMULATION)
         # |screen - y| <= relative * |x| + output * |screen| + _SLACK for every vocabulary row.
         self._relative = (2 * _UNIT + _UNIT**2 + accumulation * (1 + _UNIT) ** 2) * max_norm
         self._output = 2 * _UNIT / (1 - 2 * _UNIT)  # the output's rounding to bfloat16, even by truncation
+
+    @property
+    def packed(self) -> bool:
+        """Whether the screen runs through oneDNN's packed product (the fast path it is for)."""
+        return self._packed is not None
 
     @property
     def vocab_size(self) -> int:
@@ -146,11 +151,10 @@ def screened_argmax_for(model: torch.nn.Module, device: str, min_bytes: int = MI
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text_config, "final_logit_softcapping", None):
         return None
-    packed = pack_weight(weight.detach().to(torch.bfloat16))
-    if packed is None:
+    screened = ScreenedArgmax(weight)
+    if not screened.packed:
         log.info("greedy tokens read the float32 LM head: oneDNN cannot pack its bfloat16 copy here")
         return None
-    screened = ScreenedArgmax(weight, packed)
     if not _agrees(screened):
         log.warning("greedy tokens read the float32 LM head: its bfloat16 screen failed its check")
         return None

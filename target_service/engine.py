@@ -104,7 +104,8 @@ class DecodeStep:
 @dataclass(frozen=True)
 class RowScores:
     """What the LM head gave a step's scored rows: their logits, or for a greedy session whose
-    head is screened (``tandem.screened_head``) only each row's argmax, all greedy decoding uses."""
+    head is screened (``tandem.screened_head``) only each row's argmax, all greedy decoding uses
+    (neither for a step that scores no rows)."""
 
     logits: torch.Tensor | None = None  # [rows, vocab]
     argmax: torch.Tensor | None = None  # [rows] int64
@@ -120,6 +121,17 @@ class _Step:
     finish: Callable[[RowScores, torch.Tensor | None, float], Answer]
     last_only: bool = False  # scores of the last row only (a prefill chunk, a decode step)
     screened: bool = False  # argmax only, through the engine's screened head (greedy sessions)
+    scored: bool = True  # False: no scores at all (a prompt chunk before the last)
+
+    @property
+    def no_logits(self) -> bool:
+        """The LM head's float32 product is not needed: screened rows, or none scored."""
+        return self.screened or not self.scored
+
+    @property
+    def needs_hidden(self) -> bool:
+        """The pass must return this step's final hidden states: asked for, or to be screened."""
+        return self.want_hidden or (self.screened and self.scored)
 
 
 RAGGED_LONE_MAX_ROWS = 16  # a longer lone step (a prompt chunk) keeps transformers' causal SDPA path
@@ -348,7 +360,8 @@ class TargetEngine:
             return PrefillResult(first, session.committed_len, reason, hidden_states)
 
         want_hidden = session.config.return_hidden_states
-        return _Step(session, chunk, want_hidden, finish, last_only=True, screened=self._screened(session))
+        screened = self._screened(session)
+        return _Step(session, chunk, want_hidden, finish, last_only=True, screened=screened, scored=last)
 
     def _plan_verify(self, block: DraftBlock) -> Verdict | _Step:
         """Checks a block; a FINISHED or STALE verdict needs no pass, an OK one gets its rows."""
@@ -527,8 +540,8 @@ class TargetEngine:
                     step.session,
                     step.token_ids,
                     last_only=step.last_only,
-                    want_hidden=step.want_hidden or step.screened,
-                    no_logits=step.screened,
+                    want_hidden=step.needs_hidden,
+                    no_logits=step.no_logits,
                 )
                 for step in steps
             ]
@@ -540,9 +553,9 @@ class TargetEngine:
                     [step.session.cache for step in steps],
                     [step.token_ids for step in steps],
                     self.device,
-                    want_hidden=any(step.want_hidden or step.screened for step in steps),
+                    want_hidden=any(step.needs_hidden for step in steps),
                     last_only=[step.last_only for step in steps],
-                    no_logits=[step.screened for step in steps],
+                    no_logits=[step.no_logits for step in steps],
                 )
         except Exception:
             # As in _forward: caches may have grown in some layers and not others.
@@ -560,14 +573,18 @@ class TargetEngine:
         screened = [
             hidden[-1:] if step.last_only else hidden  # [scored rows, hidden_size]
             for step, (_, hidden) in zip(steps, outputs)
-            if step.screened
+            if step.screened and step.scored
         ]
         tokens = iter(())
         if screened:
             tokens = iter(self.greedy_head(torch.cat(screened)).split([len(rows) for rows in screened]))
         return [
             (
-                RowScores(argmax=next(tokens)) if step.screened else RowScores(logits=logits),
+                RowScores()
+                if not step.scored
+                else RowScores(argmax=next(tokens))
+                if step.screened
+                else RowScores(logits=logits),
                 hidden if step.want_hidden else None,
             )
             for step, (logits, hidden) in zip(steps, outputs)

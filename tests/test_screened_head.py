@@ -58,12 +58,8 @@ def test_ties_go_to_the_lowest_index_as_torch_argmax_breaks_them() -> None:
     weight[700] = weight[9]
     weight[300] = weight[9]
     x = weight[9:10] * 20  # [1, hidden]: rows 9, 300 and 700 tie exactly
-    assert screened_tokens(weight, x) == [9]
+    assert ScreenedArgmax(weight)(x).tolist() == [9]
     assert torch.nn.functional.linear(x, weight).argmax(dim=1).tolist() == [9]
-
-
-def screened_tokens(weight: torch.Tensor, x: torch.Tensor) -> list[int]:
-    return ScreenedArgmax(weight)(x).tolist()
 
 
 def test_rows_that_are_not_finite_fall_back_to_the_float32_product_and_the_others_still_screen() -> None:

@@ -20,6 +20,7 @@ from tandem.grpc_util import insecure_channel
 from tandem.metrics import make_metrics
 from tandem.model_worker import ModelWorker
 from tandem.models import load_model
+from tandem.screened_head import ScreenedArgmax
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service import kv_cache, ragged
 from target_service.api import FINISHED, OK, STALE, DraftBlock, GenerateResult, SparseQ, Verdict
@@ -28,7 +29,6 @@ from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import InvalidArgument, SessionNotFound
 from target_service.main import start_target
 from target_service.session import SessionConfig
-from tandem.screened_head import ScreenedArgmax
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 
 from tandem.metrics import make_metrics
 from tandem.models import load_model
+from tandem.screened_head import ScreenedArgmax
 from tandem.v1 import common_pb2
 from target_service import kv_cache
 from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
@@ -125,14 +126,19 @@ def test_greedy_verify_equals_transformers_generate(target, draft_model, drafter
     assert engine.store.get("s").finish_reason == LENGTH
 
 
+@pytest.mark.parametrize("screened", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 7, PROMPT_LEN, 0])
-def test_chunked_prefill_equals_one_pass_and_transformers(target, chunk) -> None:
+def test_chunked_prefill_equals_one_pass_and_transformers(target, chunk, screened) -> None:
     """Chunks of any size (across the tiny Gemma's sliding window of 8, and one token at a time)
-    give the same first token, prompt hidden states and greedy continuation as one pass."""
+    give the same first token, prompt hidden states and greedy continuation as one pass, with
+    the float32 LM head and with a screened one (forced on: the tiny heads are below its size
+    threshold; chunks before the last are scored by neither)."""
     prompt = _prompt(3)
     reference = hf_greedy(target.model, prompt, NEW_TOKENS)
     whole = TargetEngine(target, prefill_chunk_tokens=0).prefill("s", prompt, greedy(return_hidden_states=True))
     engine = TargetEngine(target, prefill_chunk_tokens=chunk)
+    if screened:
+        engine.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
     first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
     assert (first.token_id, first.committed_len) == (reference[0], PROMPT_LEN + 1)
     torch.testing.assert_close(first.hidden_states, whole.hidden_states, atol=1e-4, rtol=1e-4)
