@@ -13,32 +13,51 @@ so it is measured, not assumed: at load, for one and two rows, this times
   as it does in a forward pass), packed against ``padded_linear`` (the rows padded to four), and
 * the LM head (the output embedding: the largest weight by far) packed, padded and ``few_row_linear``,
 
-each the best of a few sweeps (interleaved, after one that warms up), and gives the layers
-concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About a second for gemma-3-270m; models under ``MIN_BYTES`` of
-packed weights (tests' tiny models) are left alone. The products agree up to float summation
-order, as the packed one does with itself across row counts.
+each the median of several sweeps (interleaved, after one that warms up), and gives the layers
+concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About a second for
+gemma-3-270m; models under ``MIN_BYTES`` of packed weights (tests' tiny models) are left alone.
+The products agree up to float summation order, as the packed one does with itself across row
+counts.
+
+Medians, not minima, and a 0.95 margin: with the best of three sweeps and a 0.9 margin, the
+layers' two-row choice on the 2-core EPYC flipped between loads (padded at 0.88-0.90 of the
+packed time in three loads, 1.01 in a fourth), while in whole passes padding them saved 3.5 of
+52 ms every time; a minimum rewards the one sweep the host left alone, a median the usual one.
+
+``tune_screen_rows`` does the same for the greedy head's bfloat16 screen
+(``tandem.screened_head``), timed right after the layers' products as in a pass: there its one-
+and two-row products took 12.0 and 14.2 ms against 10.0 for four rows (padding them made whole
+one- and two-token passes 1.5 and 3-4.5 ms faster), while timed alone after a cache flush they
+were within 1 ms of the four-row one.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.cpu_linear import FEW, PAD, few_row_linear, packed_linear, padded_linear
+
+if TYPE_CHECKING:
+    from tandem.screened_head import ScreenedArgmax
 
 log = logging.getLogger(__name__)
 
 PACKED = "packed"
 TUNED_ROWS = (1, 2)  # from three rows on the packed product is within noise of its four-row time
 MIN_BYTES = 64 * 2**20  # packed weights of the model below which nothing is timed
-MARGIN = 0.9  # another product must take at most this share of the packed product's time
-SWEEPS = 3
+MARGIN = 0.95  # another product must take at most this share of the packed product's time
+SWEEPS = 9
 
 # measure(layers, plan, rows) -> seconds for one call of each layer, in order.
 Measure = Callable[[Sequence[torch.nn.Linear], str, int], float]
+# screen_measure(plan, rows) -> seconds of the screen's product.
+ScreenMeasure = Callable[[str, int], float]
 
 
 def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_bytes: int = MIN_BYTES) -> dict:
@@ -60,14 +79,9 @@ def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_b
         if not layers:
             continue
         for rows in TUNED_ROWS:
-            seconds = {plan: float("inf") for plan in plans}
-            for sweep in range(SWEEPS + 1):  # interleaved, so a busy moment hits every plan alike
-                for plan in plans:
-                    taken = measure(layers, plan, rows)
-                    if sweep:  # the first sweep only warms up (oneDNN builds its kernels then)
-                        seconds[plan] = min(seconds[plan], taken)
-            best = min(seconds, key=seconds.__getitem__)
-            if best != PACKED and seconds[best] <= MARGIN * seconds[PACKED]:
+            seconds = _sweeps(lambda plan, rows=rows, layers=layers: measure(layers, plan, rows), plans)
+            best = _clearly_fastest(seconds)
+            if best != PACKED:
                 chosen.setdefault(part, {})[rows] = best
                 for layer in layers:
                     layer.row_plan = {**getattr(layer, "row_plan", {}), rows: best}
@@ -75,6 +89,57 @@ def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_b
     if chosen:
         log.info("one- and two-row products that beat oneDNN's packed one on this host: %s", chosen)
     return chosen
+
+
+def tune_screen_rows(screen: ScreenedArgmax, model: torch.nn.Module, measure: ScreenMeasure | None = None) -> dict:
+    """Sets ``screen.row_plan`` (one and two rows: PACKED or PAD); returns what it chose by row count.
+
+    Each timing streams the model's packed layers first (one call each, as a pass does before
+    its head), so the screen runs with the caches and threads as a pass leaves them."""
+    if not screen.packed:
+        return {}
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _packed(m) is not None]
+    layers = [m for m in layers if m is not getattr(model, "get_output_embeddings", lambda: None)()]
+    measure = measure or (lambda plan, rows: _timed_screen(screen, layers, plan, rows))
+    chosen: dict[int, str] = {}
+    for rows in TUNED_ROWS:
+        seconds = _sweeps(lambda plan, rows=rows: measure(plan, rows), (PACKED, PAD))
+        if _clearly_fastest(seconds) == PAD:
+            chosen[rows] = PAD
+        log.debug("screen at %d row(s): %s", rows, ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in seconds.items()))
+    screen.row_plan = dict(chosen)
+    if chosen:
+        log.info("bfloat16 screen products padded to four rows on this host: %s", sorted(chosen))
+    return chosen
+
+
+def _sweeps(measure: Callable[[str], float], plans: Sequence[str]) -> dict[str, float]:
+    """Median seconds per plan over SWEEPS interleaved sweeps (so a busy moment hits every plan
+    alike), after one that only warms up (oneDNN builds its kernels then)."""
+    taken: dict[str, list[float]] = {plan: [] for plan in plans}
+    for sweep in range(SWEEPS + 1):
+        for plan in plans:
+            seconds = measure(plan)
+            if sweep:
+                taken[plan].append(seconds)
+    return {plan: statistics.median(times) for plan, times in taken.items()}
+
+
+def _clearly_fastest(seconds: dict[str, float]) -> str:
+    """The fastest plan where it takes at most MARGIN of the packed product's time, else PACKED."""
+    best = min(seconds, key=seconds.__getitem__)
+    return best if best != PACKED and seconds[best] <= MARGIN * seconds[PACKED] else PACKED
+
+
+def _timed_screen(screen: ScreenedArgmax, layers: Sequence[torch.nn.Linear], plan: str, rows: int) -> float:
+    """Seconds of the screen's product over ``rows`` rows through ``plan``, after the layers' products."""
+    x = torch.zeros(rows, screen.weight.shape[1], dtype=torch.bfloat16)  # [rows, hidden]
+    with torch.inference_mode():
+        for layer in layers:
+            layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
+        started = time.perf_counter()
+        screen.screen_logits(x, plan)
+        return time.perf_counter() - started
 
 
 def _packed(layer: torch.nn.Linear) -> torch.Tensor | None:

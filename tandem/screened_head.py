@@ -42,7 +42,8 @@ import logging
 
 import torch
 
-from tandem.cpu_linear import pack_weight, packed_linear
+from tandem.cpu_linear import PAD, pack_weight, packed_linear, padded_linear
+from tandem.row_plans import tune_screen_rows
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class ScreenedArgmax:
         # |screen - y| <= relative * |x| + output * |screen| + _SLACK for every vocabulary row.
         self._relative = (2 * _UNIT + _UNIT**2 + accumulation * (1 + _UNIT) ** 2) * max_norm
         self._output = 2 * _UNIT / (1 - 2 * _UNIT)  # the output's rounding to bfloat16, even by truncation
+        # Row counts whose product runs padded to four rows (``tandem.row_plans.tune_screen_rows``).
+        self.row_plan: dict[int, str] = {}
 
     @property
     def packed(self) -> bool:
@@ -89,7 +92,7 @@ class ScreenedArgmax:
         n = x.shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.long, device=x.device)
-        screen = self._screen_logits(x.to(torch.bfloat16))  # [n, vocab] bfloat16
+        screen = self.screen_logits(x.to(torch.bfloat16))  # [n, vocab] bfloat16
         rows, cols = self._candidates(screen, x.norm(dim=1))  # [c] each
         exact = (self.weight.index_select(0, cols).double() * x.index_select(0, rows).double()).sum(dim=1)  # [c]
         best = torch.full((n,), float("-inf"), dtype=torch.float64).scatter_reduce(0, rows, exact, "amax")  # [n]
@@ -128,9 +131,11 @@ class ScreenedArgmax:
         hit_blocks, hit_offsets = inside.nonzero(as_tuple=True)  # [c] each
         return block_rows.index_select(0, hit_blocks), cols[hit_blocks, hit_offsets]
 
-    def _screen_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # x [n, hidden] bfloat16 -> [n, vocab] bfloat16
+    def screen_logits(self, x: torch.Tensor, plan: str | None = None) -> torch.Tensor:
+        """x [n, hidden] bfloat16 -> [n, vocab] bfloat16, through ``plan`` (default: ``row_plan``'s)."""
         if self._packed is not None:
+            if (plan or self.row_plan.get(x.shape[0])) == PAD:
+                return padded_linear(x, self._packed)
             return packed_linear(x, self._packed)
         return torch.nn.functional.linear(x, self._screen)
 
@@ -158,6 +163,7 @@ def screened_argmax_for(model: torch.nn.Module, device: str, min_bytes: int = MI
     if not _agrees(screened):
         log.warning("greedy tokens read the float32 LM head: its bfloat16 screen failed its check")
         return None
+    tune_screen_rows(screened, model)
     log.info(
         "greedy tokens through a bfloat16 screen of the LM head (%.0f MB more), rescored exactly",
         weight.numel() * 2 / 2**20,

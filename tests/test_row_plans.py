@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from tandem import cpu_linear
 from tandem.cpu_linear import FEW, PAD, install_cpu_linears
-from tandem.row_plans import MARGIN, PACKED, tune_row_plans
+from tandem.row_plans import MARGIN, PACKED, tune_row_plans, tune_screen_rows
+from tandem.screened_head import ScreenedArgmax
 
 
 class TinyLM(torch.nn.Module):
@@ -61,7 +62,7 @@ def test_the_fastest_product_is_chosen_only_by_a_clear_margin(model: TinyLM) -> 
     # seconds by (part, plan, rows): padding pays for the layers at two rows only, the few-row
     # product for the head at one row; the head's padded two-row product is within the margin.
     costs = {
-        ("layers", PACKED, 1): 1.0, ("layers", PAD, 1): 0.95,
+        ("layers", PACKED, 1): 1.0, ("layers", PAD, 1): MARGIN + 0.01,
         ("layers", PACKED, 2): 1.0, ("layers", PAD, 2): 0.8,
         ("head", PACKED, 1): 2.0, ("head", PAD, 1): 1.9, ("head", FEW, 1): 1.5,
         ("head", PACKED, 2): 2.0, ("head", PAD, 2): 2.0 * MARGIN + 0.01, ("head", FEW, 2): 3.0,
@@ -96,3 +97,47 @@ def test_timed_plans_keep_the_models_output(model: TinyLM) -> None:
     with torch.inference_mode():
         for rows, expected in zip((1, 2), before):
             torch.testing.assert_close(model(x[:rows]), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_noisy_sweep_does_not_decide(model: TinyLM) -> None:
+    """Medians over the sweeps: one sweep where padding looked twice as fast (the host quiet just
+    then) does not make it the plan, nor one where the packed product looked slow."""
+    calls: dict[tuple[str, int], int] = {}
+
+    def measure(layers, plan, rows):
+        calls[(plan, rows)] = calls.get((plan, rows), 0) + 1
+        if list(layers) == [model.lm_head]:
+            return 1.0
+        if rows == 2 and plan == PAD and calls[(plan, rows)] == 3:
+            return 0.5  # one lucky sweep
+        if rows == 1 and plan == PACKED and calls[(plan, rows)] == 4:
+            return 5.0  # one busy sweep
+        return 1.0
+
+    assert tune_row_plans(model, measure, min_bytes=0) == {}
+
+
+def test_the_screen_is_padded_where_its_padded_product_is_clearly_faster() -> None:
+    screen = ScreenedArgmax(torch.randn(1000, 48))
+    costs = {(PACKED, 1): 1.0, (PAD, 1): MARGIN + 0.02, (PACKED, 2): 1.2, (PAD, 2): 0.8}
+    assert tune_screen_rows(screen, TinyLM(), lambda plan, rows: costs[(plan, rows)]) == {2: PAD}
+    assert screen.row_plan == {2: PAD}
+
+
+def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch) -> None:
+    """Real timings on this host (whatever wins), then both products: the same exact argmax."""
+    weight = torch.randn(3000, 48, generator=torch.Generator().manual_seed(5))  # [vocab, hidden]
+    screen = ScreenedArgmax(weight)
+    chosen = tune_screen_rows(screen, model)
+    assert set(chosen) <= {1, 2} and set(chosen.values()) <= {PAD}
+    calls = []
+    original = cpu_linear.padded_linear
+    monkeypatch.setattr("tandem.screened_head.padded_linear", lambda *a: calls.append(1) or original(*a))
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(6))  # [rows, hidden]
+    for rows in (1, 2):
+        screen.row_plan = {}
+        plain = screen(x[:rows])
+        screen.row_plan = {rows: PAD}
+        assert torch.equal(screen(x[:rows]), plain)
+        assert torch.equal(plain, (x[:rows].double() @ weight.double().T).argmax(dim=1))
+    assert len(calls) == 2
