@@ -14,15 +14,16 @@ so it is measured, not assumed: at load, for one and two rows, this times
 * the LM head (the output embedding: the largest weight by far) packed, padded and ``few_row_linear``,
 
 each the median of several sweeps (interleaved, after one that warms up), and gives the layers
-concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About a second for
-gemma-3-270m; models under ``MIN_BYTES`` of packed weights (tests' tiny models) are left alone.
+concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About two seconds
+for gemma-3-270m; models under ``MIN_BYTES`` of packed weights (tests' tiny models) are left alone.
 The products agree up to float summation order, as the packed one does with itself across row
 counts.
 
 Medians, not minima, and a 0.95 margin: with the best of three sweeps and a 0.9 margin, the
 layers' two-row choice on the 2-core EPYC flipped between loads (padded at 0.88-0.90 of the
-packed time in three loads, 1.01 in a fourth), while in whole passes padding them saved 3.5 of
-52 ms every time; a minimum rewards the one sweep the host left alone, a median the usual one.
+packed time in three loads, 1.01 in a fourth), while in whole passes padding them saved 3.5 to
+4.4 ms of 47 to 52 in both comparisons made; a minimum rewards the one sweep the host left alone,
+a median the usual one.
 
 ``tune_screen_rows`` does the same for the greedy head's bfloat16 screen
 (``tandem.screened_head``), timed right after the layers' products as in a pass: there its one-
@@ -69,8 +70,7 @@ def tune_row_plans(model: torch.nn.Module, measure: Measure | None = None, min_b
     ]
     if sum(m.weight.numel() * m.weight.element_size() for m in packed) < min_bytes:
         return {}
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = _output_embedding(model)
     parts = {"layers": ([m for m in packed if m is not head], (PACKED, PAD)),
              "head": ([head] if head in packed else [], (PACKED, PAD, FEW))}
     measure = measure or _timed_sweep
@@ -98,8 +98,8 @@ def tune_screen_rows(screen: ScreenedArgmax, model: torch.nn.Module, measure: Sc
     its head), so the screen runs with the caches and threads as a pass leaves them."""
     if not screen.packed:
         return {}
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _packed(m) is not None]
-    layers = [m for m in layers if m is not getattr(model, "get_output_embeddings", lambda: None)()]
+    head = _output_embedding(model)  # a greedy pass reads the screen instead
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head and _packed(m) is not None]
     measure = measure or (lambda plan, rows: _timed_screen(screen, layers, plan, rows))
     chosen: dict[int, str] = {}
     for rows in TUNED_ROWS:
@@ -140,6 +140,11 @@ def _timed_screen(screen: ScreenedArgmax, layers: Sequence[torch.nn.Linear], pla
         started = time.perf_counter()
         screen.screen_logits(x, plan)
         return time.perf_counter() - started
+
+
+def _output_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
 
 
 def _packed(layer: torch.nn.Linear) -> torch.Tensor | None:
