@@ -54,6 +54,9 @@ TUNED_ROWS = (1, 2)  # from three rows on the packed product is within noise of 
 MIN_BYTES = 64 * 2**20  # packed weights of the model below which nothing is timed
 MARGIN = 0.95  # another product must take at most this share of the packed product's time
 SWEEPS = 9
+MIN_SWEEPS = 3  # sweeps every decision gets, whatever its budget
+SWEEP_BUDGET_S = 1.5  # past this, a decision stops sweeping (large models: each sweep streams GBs)
+SCREEN_WARM_BYTES = 256 * 2**20  # layer weights streamed before each timing of the screen
 
 # measure(layers, plan, rows) -> seconds for one call of each layer, in order.
 Measure = Callable[[Sequence[torch.nn.Linear], str, int], float]
@@ -95,7 +98,8 @@ def tune_screen_rows(screen: ScreenedArgmax, model: torch.nn.Module, measure: Sc
     """Sets ``screen.row_plan`` (one and two rows: PACKED or PAD); returns what it chose by row count.
 
     Each timing streams the model's packed layers first (one call each, as a pass does before
-    its head), so the screen runs with the caches and threads as a pass leaves them."""
+    its head, up to SCREEN_WARM_BYTES), so the screen runs with the caches and threads as a pass
+    leaves them."""
     if not screen.packed:
         return {}
     head = _output_embedding(model)  # a greedy pass reads the screen instead
@@ -115,13 +119,18 @@ def tune_screen_rows(screen: ScreenedArgmax, model: torch.nn.Module, measure: Sc
 
 def _sweeps(measure: Callable[[str], float], plans: Sequence[str]) -> dict[str, float]:
     """Median seconds per plan over SWEEPS interleaved sweeps (so a busy moment hits every plan
-    alike), after one that only warms up (oneDNN builds its kernels then)."""
+    alike), after one that only warms up (oneDNN builds its kernels then); fewer, down to
+    MIN_SWEEPS, where they take longer than SWEEP_BUDGET_S (for gemma-3-270m all nine take under
+    half a second; a model ten times larger streams gigabytes per sweep)."""
     taken: dict[str, list[float]] = {plan: [] for plan in plans}
+    started = time.perf_counter()
     for sweep in range(SWEEPS + 1):
         for plan in plans:
             seconds = measure(plan)
             if sweep:
                 taken[plan].append(seconds)
+        if sweep >= MIN_SWEEPS and time.perf_counter() - started > SWEEP_BUDGET_S:
+            break
     return {plan: statistics.median(times) for plan, times in taken.items()}
 
 
@@ -132,11 +141,16 @@ def _clearly_fastest(seconds: dict[str, float]) -> str:
 
 
 def _timed_screen(screen: ScreenedArgmax, layers: Sequence[torch.nn.Linear], plan: str, rows: int) -> float:
-    """Seconds of the screen's product over ``rows`` rows through ``plan``, after the layers' products."""
+    """Seconds of the screen's product over ``rows`` rows through ``plan``, after the layers'
+    products (the first SCREEN_WARM_BYTES of them: enough to leave the caches as a pass does)."""
     x = torch.zeros(rows, screen.weight.shape[1], dtype=torch.bfloat16)  # [rows, hidden]
+    streamed = 0
     with torch.inference_mode():
         for layer in layers:
+            if streamed >= SCREEN_WARM_BYTES:
+                break
             layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
+            streamed += layer.weight.numel() * layer.weight.element_size()
         started = time.perf_counter()
         screen.screen_logits(x, plan)
         return time.perf_counter() - started

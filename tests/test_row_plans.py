@@ -141,3 +141,17 @@ def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch) -> No
         assert torch.equal(screen(x[:rows]), plain)
         assert torch.equal(plain, (x[:rows].double() @ weight.double().T).argmax(dim=1))
     assert len(calls) == 2
+
+
+def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch) -> None:
+    """A model whose sweeps take long (each streams gigabytes) gets MIN_SWEEPS of them, not SWEEPS."""
+    from tandem import row_plans
+
+    monkeypatch.setattr(row_plans, "SWEEP_BUDGET_S", 0.0)
+    calls: list[tuple[str, int]] = []
+    tune_screen_rows(ScreenedArgmax(torch.randn(500, 48)), model, lambda plan, rows: calls.append((plan, rows)) or 1.0)
+    assert len(calls) == 2 * 2 * (row_plans.MIN_SWEEPS + 1)  # plans x row counts x (warm-up + minimum)
+    monkeypatch.setattr(row_plans, "SWEEP_BUDGET_S", 60.0)
+    calls.clear()
+    tune_screen_rows(ScreenedArgmax(torch.randn(500, 48)), model, lambda plan, rows: calls.append((plan, rows)) or 1.0)
+    assert len(calls) == 2 * 2 * (row_plans.SWEEPS + 1)
