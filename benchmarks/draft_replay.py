@@ -27,6 +27,16 @@ measured about 2x cheaper than they are live.
 with the draft service's block-length policy (``draft_service.block_length``, learning from the
 modelled costs), without it, or both; ``--pass-costs FILE`` keeps the measured pass costs in a
 file and prices later runs with them, so runs compared across invocations share their prices.
+
+``--save-prior FILE`` writes what one drafter's cut replay taught its block-length policy (the
+acceptance of each draft source by depth, ``draft_service.block_length.save_prior``); measured
+with ``--prompts distill:N`` (N of ``tandem distill``'s held-out generation prompts: templated
+code, JSON, math, chat and prose, and held-out stdlib function openings; never the bench set) it
+is what an eagle head ships as ``acceptance.json``, so a fresh draft service cuts blocks as a
+warmed one does:
+
+    python benchmarks/draft_replay.py --drafts auto -k 7 --cut on --prompts distill:48 \\
+        --cache /tmp/distill-48.pt --save-prior tandem/data/eagle/gemma-3-270m/acceptance.json
 """
 
 from __future__ import annotations
@@ -44,10 +54,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
+from draft_service.block_length import AcceptanceTally, BlockLengthPolicy, save_prior
 from draft_service.proposers import make_proposer
 from draft_service.types import SamplingConfig, TargetInfo
-from tandem.bench.prompts import load_prompts
+from tandem.bench.prompts import Prompt, load_prompts
 from tandem.config import DraftSettings
 from tandem.models import load_model, tokenizer_fingerprint
 from tandem.screened_head import screened_argmax_for
@@ -177,13 +187,29 @@ def replay(
     return end - plen - 1, rounds, seconds
 
 
+DISTILL_PREFIX = "distill:"
+
+
+def distill_prompts(spec: str) -> list[Prompt]:
+    """``distill:N[:SEED]``: the first N held-out generation prompts of ``tandem distill`` (half of
+    them stdlib function openings), labelled by what they ask for."""
+    from tandem.distill.corpus import generation_prompts
+
+    count, _, seed = spec.removeprefix(DISTILL_PREFIX).partition(":")
+    stream = generation_prompts(int(seed or 0), heldout=True, code_prefix_share=0.5)
+    return [Prompt("distill", next(stream)) for _ in range(int(count))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-model", default="gemma-3-270m")
     parser.add_argument("--drafts", nargs="+", default=["ngram", "eagle", "ngram+eagle"])
     parser.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompts", default=None, help="JSONL prompt set (default: the shared bench prompts)")
+    parser.add_argument(
+        "--prompts", default=None,
+        help="JSONL prompt set (default: the shared bench prompts), or distill:N[:SEED] (tandem distill's held-out prompts)",
+    )
     parser.add_argument("--cache", type=Path, default=Path("/tmp/tandem-draft-replay.pt"))
     parser.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     parser.add_argument("--draft-threads", type=int, default=1, help="torch threads while drafting (0 = all)")
@@ -199,11 +225,21 @@ def main() -> None:
         "--cut", choices=["off", "on", "both"], default="both",
         help="cut proposals as the draft service does (draft_service.block_length), send them whole, or both",
     )
+    parser.add_argument(
+        "--save-prior", type=Path, default=None, metavar="FILE",
+        help="write the acceptance the block-length policy learned (one drafter, one K, --cut on)",
+    )
+    parser.add_argument("--no-prior", action="store_true", help="start the block-length policy without the drafter's prior")
     args = parser.parse_args()
+    if args.save_prior is not None and (len(args.drafts) != 1 or len(args.num_speculative_tokens) != 1 or args.cut != "on"):
+        parser.error("--save-prior measures one drafter at one K with --cut on")
     overrides = dict(item.split("=", 1) for item in args.draft_setting)
 
     loaded = load_model(args.target_model, device="cpu")
-    prompts = load_prompts(args.prompts)
+    if args.prompts and args.prompts.startswith(DISTILL_PREFIX):
+        prompts = distill_prompts(args.prompts)
+    else:
+        prompts = load_prompts(args.prompts)
     runs = greedy_runs(loaded, prompts, args.max_tokens, args.cache)
     context = round(statistics.median(r["prompt_len"] for r in runs))
     max_block = max(args.num_speculative_tokens) + 1
@@ -243,7 +279,8 @@ def main() -> None:
         for k, cut in ((k, cut) for k in args.num_speculative_tokens for cut in cuts):
             by_domain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
             propose_times: list[float] = []
-            lengths = BlockLengthPolicy() if cut else None  # one per run, as one per draft service
+            prior = None if args.no_prior else proposer.acceptance_prior
+            lengths = BlockLengthPolicy(prior=prior) if cut else None  # one per run, as one per draft service
             for i, run in enumerate(runs):
                 tokens, rounds, seconds = replay(proposer, run, k, costs, flush, propose_times, lengths)
                 for key in (run["domain"], "all"):
@@ -257,6 +294,10 @@ def main() -> None:
             table.append(
                 {"draft": spec, "k": k, "cut": cut, "settings": overrides, "propose_ms": propose_ms, "domains": cells}
             )
+            if args.save_prior is not None and lengths is not None:
+                measured = f"benchmarks/draft_replay.py --drafts {spec} -k {k} --prompts {args.prompts or 'bench'}" + "".join(
+                    f" --draft-setting {name}={value}" for name, value in overrides.items())
+                save_prior(args.save_prior, lengths.acceptance.rates(), measured_on=f"{len(runs)} prompts: {measured}")
             order = ["all", *sorted(d for d in cells if d != "all")]
             print(
                 f"{spec:>14} K={k}{' cut' if cut else ''} (draft {propose_ms:.2f} ms/round): "

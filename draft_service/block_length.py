@@ -14,7 +14,9 @@ committed tokens per second of the round peaks:
   *source* (what drafted it and how sure it was: ``lookup:8`` = copied from a span whose last 8
   to 15 tokens agree with the sequence's end, ``head:0.7`` = the eagle head gave it 70 to 80%)
   and depth in the block, over every verdict the service has seen (``AcceptanceTally``), and
-  shrunk towards the session's own tally where the session has one. The proposer names the
+  shrunk towards the session's own tally where the session has one. A fresh service starts from
+  the drafter's measured rates where it ships them (an eagle head's ``acceptance.json``) instead
+  of a coin flip per draft, which cut lookup's long copies short while it learned. The proposer names the
   sources (``Proposal.sources``); a proposal without them is sent whole.
 - ``cost(n)``: the median seconds from sending a block of n - 1 drafts to its verdict, over the
   last rounds that sent such a block (``RoundCosts``); sizes never seen are interpolated from the
@@ -30,11 +32,14 @@ which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it w
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,15 @@ MIN_COST_SAMPLES = 3  # rounds of a size before its median counts
 # more than one service-wide rate per source can say.
 SESSION_PRIOR_WEIGHT = 8.0
 EXPLORE_EVERY = 16  # every so many proposals go whole, so tallies of what is usually cut stay current
+# A prior's rate counts as this many judged drafts of its (source, depth): enough that a fresh
+# service does not start from "every draft is a coin flip", few enough that the text it serves
+# outvotes the prior within a request or two.
+PRIOR_WEIGHT = 16.0
+PRIOR_FORMAT = 1
+MIN_PRIOR_OFFERED = 8  # drafts a (source, depth) needs before a measured prior records its rate
+
+# (source, depth bucket) -> acceptance rate: what a drafter's sources are known to be worth
+AcceptancePrior = dict[tuple[str, int], float]
 
 
 @dataclass
@@ -64,10 +78,14 @@ def confidence_source(kind: str, probability: float) -> str:
 
 
 class AcceptanceTally:
-    """Acceptance per (source, depth), with a uniform prior (Laplace's rule of succession)."""
+    """Acceptance per (source, depth), with a uniform prior (Laplace's rule of succession), or
+    with ``prior`` rates (a drafter's measured habits, ``load_prior``) counted as ``prior_weight``
+    drafts each where it has one."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: Mapping[tuple[str, int], float] | None = None, prior_weight: float = PRIOR_WEIGHT) -> None:
         self._counts: dict[tuple[str, int], _Count] = {}
+        self._prior = dict(prior or {})
+        self._prior_weight = prior_weight
 
     @property
     def offered(self) -> int:
@@ -75,10 +93,17 @@ class AcceptanceTally:
         return sum(count.offered for count in self._counts.values())
 
     def estimate(self, source: str, depth: int) -> float:
-        count = self._counts.get(_key(source, depth))
-        if count is None:
-            return 0.5
+        key = _key(source, depth)
+        count = self._counts.get(key) or _Count()
+        prior = self._prior.get(key)
+        if prior is not None:
+            return (count.accepted + 1 + self._prior_weight * prior) / (count.offered + 2 + self._prior_weight)
         return (count.accepted + 1) / (count.offered + 2)
+
+    def rates(self, min_offered: int = MIN_PRIOR_OFFERED) -> AcceptancePrior:
+        """The observed acceptance of every (source, depth) judged at least ``min_offered`` times."""
+        return {key: count.accepted / count.offered for key, count in self._counts.items()
+                if count.offered >= min_offered}
 
     def blended(self, source: str, depth: int, prior: float, weight: float) -> float:
         """This tally's rate shrunk towards ``prior`` as if ``prior`` had been seen ``weight`` times."""
@@ -96,6 +121,42 @@ class AcceptanceTally:
 
 def _key(source: str, depth: int) -> tuple[str, int]:
     return source, min(depth, MAX_DEPTH_BUCKET)
+
+
+class PriorFileError(ValueError):
+    """An acceptance prior file that cannot be used."""
+
+
+def save_prior(path: Path, rates: AcceptancePrior, measured_on: str) -> None:
+    """Writes ``rates`` as JSON: {"format", "measured_on", "rates": {source: [rate by depth or null]}}."""
+    by_source: dict[str, list[float | None]] = {}
+    for (source, depth), rate in sorted(rates.items()):
+        row = by_source.setdefault(source, [None] * (MAX_DEPTH_BUCKET + 1))
+        row[depth] = round(rate, 4)
+    Path(path).write_text(json.dumps({"format": PRIOR_FORMAT, "measured_on": measured_on, "rates": by_source},
+                                      indent=1) + "\n")
+
+
+def load_prior(path: Path) -> AcceptancePrior:
+    """Reads a file written by ``save_prior``; a malformed one is a PriorFileError naming the file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("format") != PRIOR_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, expected {PRIOR_FORMAT}")
+        prior: AcceptancePrior = {}
+        for source, row in doc["rates"].items():
+            if not isinstance(source, str) or not isinstance(row, list) or len(row) > MAX_DEPTH_BUCKET + 1:
+                raise ValueError(f"rates of {source!r} must be a list of at most {MAX_DEPTH_BUCKET + 1} entries")
+            for depth, rate in enumerate(row):
+                if rate is None:
+                    continue
+                if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0.0 <= rate <= 1.0) \
+                        or math.isnan(rate):
+                    raise ValueError(f"rate {rate!r} of {source!r} at depth {depth} is not within [0, 1]")
+                prior[(source, depth)] = float(rate)
+        return prior
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PriorFileError(f"acceptance prior {path}: {exc}") from exc
 
 
 @dataclass
@@ -135,11 +196,12 @@ class BlockLengthPolicy:
     """One per draft service (the target's costs and the drafter's habits are the service's, not a
     session's); sessions call ``length`` before sending a block and ``observe`` with its verdict."""
 
-    def __init__(self, explore_every: int = EXPLORE_EVERY) -> None:
+    def __init__(self, explore_every: int = EXPLORE_EVERY, prior: Mapping[tuple[str, int], float] | None = None) -> None:
         """``explore_every``: one proposal in so many is sent whole (0 = never), because the tallies
         only learn from drafts that are sent: a source judged poor on one kind of text would
-        otherwise never get the chance to do better on another."""
-        self.acceptance = AcceptanceTally()
+        otherwise never get the chance to do better on another. ``prior``: the drafter's measured
+        acceptance (``Proposer.acceptance_prior``), so a fresh service cuts as a warmed one would."""
+        self.acceptance = AcceptanceTally(prior)
         self.costs = RoundCosts()
         self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
         self._explore_every = explore_every

@@ -110,7 +110,7 @@ async def start_draft(
             worker,
             metrics if metrics is not None else make_metrics("draft"),
             default_k=num_speculative_tokens,
-            block_lengths=BlockLengthPolicy() if cut_blocks else None,
+            block_lengths=BlockLengthPolicy(prior=proposer.acceptance_prior) if cut_blocks else None,
         )
         servicer.attach(engine)
         await health.serving()

@@ -16,6 +16,9 @@ A checkpoint is a directory::
 
     eagle.json          EagleConfig (json)
     head.safetensors    the head's weights, plus ``vocab_ids`` [reduced] int64 (reduced -> target id)
+    acceptance.json     optional: how often its drafts were accepted, by source and depth, where it
+                        was measured (``benchmarks/draft_replay.py --save-prior``); the draft
+                        service's block-length policy starts from it
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tandem.models import BUILTIN_HEADS_DIR  # built-in target name -> its head'
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "head.safetensors"
+ACCEPTANCE_FILE = "acceptance.json"  # optional: measured acceptance by draft source (draft_service.block_length)
 # Past this many bytes of fp32 head rows (the L3 cache of a small CPU), few_row_linear beats F.linear.
 LARGE_HEAD_BYTES = 24 * 2**20
 
@@ -221,6 +225,7 @@ def builtin_head_dir(target_name: str) -> Path | None:
 
 
 __all__ = [
+    "ACCEPTANCE_FILE",
     "EagleCheckpointError",
     "EagleConfig",
     "EagleDrafter",

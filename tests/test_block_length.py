@@ -9,10 +9,14 @@ from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, load
 
 from draft_service.block_length import (
     MIN_COST_SAMPLES,
+    PRIOR_WEIGHT,
     AcceptanceTally,
     BlockLengthPolicy,
+    PriorFileError,
     RoundCosts,
     confidence_source,
+    load_prior,
+    save_prior,
 )
 from draft_service.loop import SpeculationLoop
 from draft_service.proposers.hf import HfProposer
@@ -47,6 +51,52 @@ def test_deep_drafts_share_a_tally_and_blending_weighs_the_prior():
     assert tally.estimate("a", 6) == tally.estimate("a", 4) == pytest.approx((4 + 1) / (4 + 2))
     assert tally.blended("a", 0, prior=0.0, weight=1.0) == pytest.approx(0.5)  # 1 of 1 against 0 seen once
     assert tally.blended("unseen", 0, prior=0.3, weight=8.0) == pytest.approx(0.3)
+
+
+def test_a_prior_sets_the_first_estimates_and_the_text_served_outvotes_it():
+    tally = AcceptanceTally({("lookup:8", 0): 0.9, ("lookup:8", 4): 0.6})
+    assert tally.estimate("lookup:8", 0) == pytest.approx((1 + PRIOR_WEIGHT * 0.9) / (2 + PRIOR_WEIGHT))
+    assert tally.estimate("lookup:8", 7) == tally.estimate("lookup:8", 4)  # deep drafts share the last bucket
+    assert tally.estimate("lookup:8", 1) == 0.5  # no prior there: Laplace
+    for _ in range(200):  # this text copies badly
+        tally.observe(["lookup:8"], num_accepted=0)
+    assert tally.estimate("lookup:8", 0) < 0.1
+
+
+def test_measured_rates_round_trip_through_a_prior_file(tmp_path):
+    tally = AcceptanceTally()
+    for _ in range(10):
+        tally.observe(["lookup:8", "lookup:8", "head:0.7"], num_accepted=1)
+    tally.observe(["rare"], num_accepted=1)  # judged once: too few to record
+    rates = tally.rates()
+    assert rates == {("lookup:8", 0): 1.0, ("lookup:8", 1): 0.0}  # the head draft after them was never judged
+    path = tmp_path / "acceptance.json"
+    save_prior(path, rates, measured_on="a test")
+    assert load_prior(path) == rates
+    assert BlockLengthPolicy(prior=load_prior(path)).acceptance.estimate("lookup:8", 1) < 0.1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", '{"format": 99, "rates": {}}', '{"format": 1}', '{"format": 1, "rates": {"a": [1.5]}}',
+     '{"format": 1, "rates": {"a": [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]}}', '{"format": 1, "rates": {"a": "high"}}',
+     '{"format": 1, "rates": {"a": [true]}}'],
+)
+def test_a_malformed_prior_file_is_a_clear_error(tmp_path, text):
+    path = tmp_path / "acceptance.json"
+    path.write_text(text)
+    with pytest.raises(PriorFileError, match="acceptance prior"):
+        load_prior(path)
+
+
+def test_a_fresh_policy_with_a_prior_keeps_the_long_copies_a_coin_flip_would_cut():
+    costs = {1: 40, 2: 41, 4: 42, 6: 43, 8: 50}
+    sources = ["lookup:8"] * 7
+    fresh = policy_with_costs(costs)
+    prior = {("lookup:8", depth): 0.95 for depth in range(5)}
+    warmed = BlockLengthPolicy(explore_every=0, prior=prior)
+    warmed.costs = fresh.costs
+    assert fresh.length(sources) < 7 <= warmed.length(sources)
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,49 @@ def test_unknown_kind_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert "--kind" in capsys.readouterr().err
 
 
+def test_init_from_fine_tunes_a_head_and_keeps_its_shape_and_vocabulary(tiny_gemma_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tandem.eagle import load_head
+
+    first = tmp_path / "first"
+    assert distill(tiny_gemma_dir, first, "--max-tokens", "300", "--max-steps", "2") == 0
+    before, vocab_before = load_head(first)
+    # zero steps: exactly the given head comes back out (it is not re-initialised from the data)
+    same = tmp_path / "same"
+    assert distill(tiny_gemma_dir, same, "--init-from", str(first), "--seed", "1", "--max-tokens", "300",
+                   "--max-steps", "0") == 0
+    copied, _ = load_head(same)
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(copied.state_dict()[name], tensor), name
+    # asking for another width and vocabulary size: the given head's are kept
+    tuned = tmp_path / "tuned"
+    assert distill(tiny_gemma_dir, tuned, "--init-from", str(first), "--seed", "1", "--inner-size", "48",
+                   "--reduced-vocab", "40", "--max-tokens", "300", "--max-steps", "3") == 0
+    after, vocab_after = load_head(tuned)
+    assert after.config.inner_size == before.config.inner_size == 32
+    assert torch.equal(vocab_after, vocab_before)
+    assert torch.equal(load_file(str(tuned / "vocab.safetensors"))["vocab_ids"], vocab_before)
+    assert any(not torch.equal(t, before.state_dict()[name]) for name, t in after.state_dict().items())
+    meta = json.loads((tuned / "eagle.json").read_text())["metadata"]
+    assert meta["init_from"]["path"] == str(first)
+    assert meta["init_from"]["metadata"]["train_steps"] == 2
+    assert meta["train_steps"] == 3
+
+
+def test_init_from_rejects_heads_of_other_targets_and_standalone(tiny_gemma_dir: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert distill(tiny_gemma_dir, first, "--max-tokens", "200", "--max-steps", "1") == 0
+    config = json.loads((first / "eagle.json").read_text())
+    (first / "eagle.json").write_text(json.dumps({**config, "target_fingerprint": "someone-else"}))
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        distill(tiny_gemma_dir, tmp_path / "b", "--init-from", str(first))
+    with pytest.raises(SystemExit, match="not an eagle head directory"):
+        distill(tiny_gemma_dir, tmp_path / "c", "--init-from", str(tmp_path / "nothing-here"))
+    with pytest.raises(SystemExit, match="does not apply to --kind standalone"):
+        distill(tiny_gemma_dir, tmp_path / "d", "--kind", "standalone", "--init-from", str(first))
+
+
 def test_missing_target_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["distill", "--target-model", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "x")])

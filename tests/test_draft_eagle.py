@@ -9,6 +9,7 @@ tested is the plumbing and exactness, not acceptance. Greedy output must equal t
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ import torch
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, load_tiny
 
 from draft_service import wire
+from draft_service.block_length import PriorFileError, save_prior
 from draft_service.errors import IncompatibleDraftError
 from draft_service.loop import SpeculationLoop
 from draft_service.main import start_draft
@@ -186,16 +188,20 @@ async def test_greedy_eagle_loop_equals_the_targets_generate(target, head_dir):
     assert drafted > 0 and agree >= drafted - 1  # (a near-tie may flip under rounding)
 
 
-async def test_eagle_draft_service_over_grpc(llama, llama_head):
+async def test_eagle_draft_service_over_grpc(llama, llama_head, tmp_path):
     """The draft service with an eagle proposer, in front of the real target service: the gateway
-    prefills without hidden states, the draft asks for them per block."""
+    prefills without hidden states, the draft asks for them per block. The head's acceptance prior
+    reaches the service's block-length policy."""
     n = 20
+    head = shutil.copytree(llama_head, tmp_path / llama_head.name)
+    save_prior(head / eagle_module.ACCEPTANCE_FILE, {("head:0.9", 0): 0.97}, measured_on="a test")
     target = await start_target(TargetEngine(llama))
     address = f"127.0.0.1:{target.port}"
     try:
-        draft = await start_draft(lambda info: EagleProposer.load(llama_head, llama.hf_dir, info), address,
+        draft = await start_draft(lambda info: EagleProposer.load(head, llama.hf_dir, info), address,
                                   num_speculative_tokens=3, target_wait_s=10)
         try:
+            assert draft.engine.block_lengths.acceptance.estimate("head:0.9", 0) > 0.85  # not the coin flip
             fingerprint = tokenizer_fingerprint(llama.tokenizer)
             params = common_pb2.SessionParams(max_new_tokens=n)
             async with grpc.aio.insecure_channel(address) as channel:
@@ -311,6 +317,22 @@ def test_proposer_reports_itself(llama, llama_head):
     assert proposer.drafter.target.head_rows.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in proposer.drafter.head.parameters())
     assert not HfProposer(llama).wants_hidden_states
+
+
+def test_a_heads_acceptance_prior_is_loaded_with_it(llama, llama_head, tmp_path):
+    from draft_service.proposers.ngram import NgramProposer
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+
+    assert load_eagle(llama_head, llama).acceptance_prior is None  # none shipped: the policy starts from Laplace
+    head = shutil.copytree(llama_head, tmp_path / "with-prior")
+    rates = {("lookup:8", 0): 0.93, ("head:0.7", 1): 0.61}
+    save_prior(head / eagle_module.ACCEPTANCE_FILE, rates, measured_on="a test")
+    proposer = load_eagle(head, llama)
+    assert proposer.acceptance_prior == rates
+    assert NgramFirstProposer(NgramProposer(), proposer, head_k=3).acceptance_prior == rates
+    (head / eagle_module.ACCEPTANCE_FILE).write_text('{"format": 1, "rates": {"head:0.7": [2.0]}}')
+    with pytest.raises(PriorFileError, match="with-prior"):
+        load_eagle(head, llama)
 
 
 def test_a_vocab_limit_keeps_the_most_frequent_prefix(llama, llama_head):

@@ -95,3 +95,13 @@ def test_each_proposal_follows_a_cache_flush_and_is_timed() -> None:
     flusher()
     assert flusher.buffer.numel() == 2**20 // 4 and float(flusher.buffer[0]) == 2.0
     draft_replay.CacheFlusher(0)()  # 0 MiB: nothing to write
+
+
+def test_distill_prompts_are_the_held_out_generation_prompts_never_the_bench_set() -> None:
+    from tandem.bench.prompts import load_prompts
+
+    prompts = draft_replay.distill_prompts("distill:24:3")
+    assert len(prompts) == 24 and {p.domain for p in prompts} == {"distill"}
+    assert [p.prompt for p in prompts] == [p.prompt for p in draft_replay.distill_prompts("distill:24:3")]
+    assert not {p.prompt for p in prompts} & {p.prompt for p in load_prompts()}
+    assert any(p.prompt.startswith(("def ", "class ")) for p in prompts)  # stdlib openings among them

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from draft_service.block_length import AcceptancePrior
 from draft_service.types import Proposal, SamplingConfig
 
 if TYPE_CHECKING:
@@ -66,6 +67,12 @@ class Proposer(ABC):
         """``tandem.models.tokenizer_fingerprint`` of the draft's tokenizer; empty when the
         proposer works on token ids of any tokenizer."""
         return ""
+
+    @property
+    def acceptance_prior(self) -> AcceptancePrior | None:
+        """How often this drafter's drafts are accepted, by source and depth, as measured where it
+        was built (``draft_service.block_length``); None when nothing was measured."""
+        return None
 
     @abstractmethod
     def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> ProposerSession:

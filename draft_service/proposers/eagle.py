@@ -29,12 +29,19 @@ from pathlib import Path
 
 import torch
 
-from draft_service.block_length import confidence_source
+from draft_service.block_length import AcceptancePrior, confidence_source, load_prior
 from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
 from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
-from tandem.eagle import EagleConfig, EagleDrafter, TargetTensors, load_head, load_target_tensors
+from tandem.eagle import (
+    ACCEPTANCE_FILE,
+    EagleConfig,
+    EagleDrafter,
+    TargetTensors,
+    load_head,
+    load_target_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +206,14 @@ class EagleProposer(Proposer):
     kind = "eagle"
 
     def __init__(
-        self, drafter: EagleDrafter, *, name: str, device: str = "cpu", draft_top_k: int = 32, min_confidence: float = 0.0
+        self,
+        drafter: EagleDrafter,
+        *,
+        name: str,
+        device: str = "cpu",
+        draft_top_k: int = 32,
+        min_confidence: float = 0.0,
+        acceptance_prior: AcceptancePrior | None = None,
     ) -> None:
         if draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {draft_top_k}")
@@ -210,6 +224,7 @@ class EagleProposer(Proposer):
         self.device = torch.device(device)
         self.draft_top_k = draft_top_k
         self._name = name
+        self._prior = acceptance_prior
 
     @classmethod
     def load(
@@ -231,7 +246,9 @@ class EagleProposer(Proposer):
         ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
         the head RMS-normalises the rows it looks up, so the rounding is immaterial). ``dtype`` and
         ``vocab_limit`` are the drafter's (``tandem.eagle.EagleDrafter``): steps in bf16 over the
-        most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it).
+        most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it). A head
+        directory may hold ``acceptance.json``, how its drafts (and lookup's beside them) were
+        accepted where it was measured: the block-length policy starts from it.
         """
         started = time.perf_counter()
         head_dir = Path(head_dir)
@@ -243,6 +260,8 @@ class EagleProposer(Proposer):
                 f"eagle head {head_dir.name!r} maps its reduced vocabulary to ids outside the target's "
                 f"vocabulary of {target.vocab_size}"
             )
+        prior_file = head_dir / ACCEPTANCE_FILE
+        prior = load_prior(prior_file) if prior_file.is_file() else None
         tensors = load_target_tensors(target_hf_dir, config, vocab_ids)
         embed = tensors.embed if embed_dtype is None else tensors.embed.to(embed_dtype)
         drafter = EagleDrafter(
@@ -259,12 +278,21 @@ class EagleProposer(Proposer):
             config.target_vocab_size, str(dtype).removeprefix("torch."), str(embed.dtype).removeprefix("torch."), device,
         )
         return cls(
-            drafter, name=f"eagle:{head_dir.name}", device=device, draft_top_k=draft_top_k, min_confidence=min_confidence
+            drafter,
+            name=f"eagle:{head_dir.name}",
+            device=device,
+            draft_top_k=draft_top_k,
+            min_confidence=min_confidence,
+            acceptance_prior=prior,
         )
 
     @property
     def model_name(self) -> str:
         return self._name
+
+    @property
+    def acceptance_prior(self) -> AcceptancePrior | None:
+        return self._prior
 
     @property
     def tokenizer_fingerprint(self) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from draft_service.block_length import AcceptancePrior
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession
 from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
@@ -140,6 +141,11 @@ class NgramFirstProposer(Proposer):
     @property
     def wants_hidden_states(self) -> bool:
         return True
+
+    @property
+    def acceptance_prior(self) -> AcceptancePrior | None:
+        """The head's: it was measured with lookup drafting beside the head (lookup and copy sources too)."""
+        return self.eagle.acceptance_prior
 
     def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> NgramFirstSession:
         return NgramFirstSession(

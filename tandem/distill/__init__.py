@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="require an existing run in --output and continue it")
     parser.add_argument("--restart", action="store_true", help="discard the training checkpoint (keeps the features)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", default=None, metavar="HEAD",
+                        help="eagle: fine-tune this head (a head directory, or 'builtin' for the target's shipped "
+                             "one) instead of a fresh one; its width, depth and reduced vocabulary are kept")
     group = parser.add_argument_group("collection")
     group.add_argument("--seq-len", type=int, default=256)
     group.add_argument("--topk", type=int, default=8, help="target choices kept per position for the soft loss")
@@ -89,6 +92,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise _fail("--seq-len must exceed --unroll + 1")
     if args.resume and args.restart:
         raise _fail("--resume and --restart contradict each other")
+    if args.init_from is not None and args.kind != "eagle":
+        raise _fail("--init-from fine-tunes an eagle head; it does not apply to --kind standalone")
 
 
 def _text_config(hf_dir: Path) -> Any:
@@ -134,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
     text_config = _text_config(resolved.hf_dir)
     vocab_size, hidden = int(text_config.vocab_size), int(text_config.hidden_size)
     fingerprint = tokenizer_fingerprint(tokenizer)
+    initial = _initial_head(args.init_from, args.target_model, fingerprint, hidden, vocab_size)
     collect_config = collect_mod.CollectConfig(
         seq_len=args.seq_len, topk=args.topk, batch=args.collect_batch, gen_batch=args.gen_batch,
         gen_new_tokens=args.gen_new_tokens, gen_every=args.gen_every, gen_dtype=args.gen_dtype,
@@ -158,13 +164,14 @@ def main(args: argparse.Namespace) -> int:
     # 2. the reduced vocabulary, chosen once per run from the target's choices
     train = store.load(heldout=False)
     heldout = store.load(heldout=True)
-    vocab_ids, vocab_info = _vocab(output, train, heldout, tokenizer, vocab_size, args.reduced_vocab)
+    fixed_vocab = initial[1] if initial is not None else None
+    vocab_ids, vocab_info = _vocab(output, train, heldout, tokenizer, vocab_size, args.reduced_vocab, fixed_vocab)
 
     reserve = min(max(0.08 * (deadline - started), 10.0), 150.0)  # the held-out measurement + export
     common = {"args": args, "output": output, "store": store, "train": train, "heldout": heldout, "vocab_ids": vocab_ids,
                   "vocab_info": vocab_info, "device": device, "train_deadline": deadline - reserve, "started": started}
     if args.kind == "eagle":
-        summary = _run_eagle(resolved.hf_dir, text_config, fingerprint, **common)
+        summary = _run_eagle(resolved.hf_dir, text_config, fingerprint, initial=initial, **common)
     else:
         summary = _run_standalone(tokenizer, text_config, **common)
     run_file.write_text(json.dumps(summary, indent=2) + "\n")
@@ -172,7 +179,31 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vocab(output: Path, train: dict, heldout: dict, tokenizer: Any, vocab_size: int, size: int):
+def _initial_head(spec: str | None, target_model: str, fingerprint: str, hidden: int, vocab_size: int):
+    """--init-from: (head, vocab_ids, its directory) of the head to fine-tune, checked against the target."""
+    if spec is None:
+        return None
+    from tandem.eagle import EagleCheckpointError, builtin_head_dir, load_head
+
+    directory = builtin_head_dir(target_model) if spec == "builtin" else Path(spec)
+    if directory is None:
+        raise _fail(f"--init-from builtin: tandem ships no eagle head for {target_model!r}")
+    try:
+        head, vocab_ids = load_head(directory)
+    except (EagleCheckpointError, OSError) as exc:
+        raise _fail(f"--init-from {spec}: {exc}") from exc
+    config = head.config
+    if config.target_fingerprint != fingerprint:
+        raise _fail(f"--init-from {spec}: the head was trained for another tokenizer than {target_model!r}'s")
+    if (config.hidden_size, config.target_vocab_size) != (hidden, vocab_size):
+        raise _fail(f"--init-from {spec}: the head fits a target of hidden size {config.hidden_size} and "
+                    f"vocabulary {config.target_vocab_size}, not {hidden} and {vocab_size}")
+    return head, vocab_ids, directory
+
+
+def _vocab(output: Path, train: dict, heldout: dict, tokenizer: Any, vocab_size: int, size: int,
+           fixed: Any = None):
+    """The run's reduced vocabulary: chosen once from the target's choices, or ``fixed`` (a fine-tuned head's)."""
     import torch
     from safetensors.torch import load_file
 
@@ -182,7 +213,10 @@ def _vocab(output: Path, train: dict, heldout: dict, tokenizer: Any, vocab_size:
     train_choices = train["topk_ids"][..., 0][train["valid"].bool()]
     heldout_choices = heldout["topk_ids"][..., 0][heldout["valid"].bool()]
     path = output / VOCAB_FILE
-    if path.exists():
+    if fixed is not None:
+        vocab_ids = fixed
+        atomic_save_tensors(path, {"vocab_ids": vocab_ids})
+    elif path.exists():
         vocab_ids = load_file(str(path))["vocab_ids"]
     else:
         first = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else (tokenizer.pad_token_id or 0)
@@ -241,8 +275,8 @@ def _collection_summary(store, started: float) -> dict:
                        "from templated code/json/math/chat/prose prompts and stdlib function openings"}
 
 
-def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, args, output, store, train, heldout, vocab_ids,
-               vocab_info, device, train_deadline, started) -> dict:
+def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, initial, args, output, store, train, heldout,
+               vocab_ids, vocab_info, device, train_deadline, started) -> dict:
     import torch
 
     from tandem.distill import eagle_train
@@ -256,7 +290,14 @@ def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, args, output
         reduced_vocab_size=int(vocab_ids.numel()), target_vocab_size=int(text_config.vocab_size),
         target_model=args.target_model, target_fingerprint=fingerprint, embed_tensor=embed_name,
         head_tensor=head_name, logit_softcap=getattr(text_config, "final_logit_softcapping", None))
-    head = EagleHead(config).to(device)
+    previous = dict(initial[0].config.metadata or {}) if initial is not None else {}
+    if initial is not None:  # fine-tuning: the given head's shape, vocabulary and weights
+        head = initial[0]
+        config = EagleConfig(**{**asdict(head.config), "target_model": args.target_model, "metadata": {}})
+        head.config = config
+        head = head.to(device)
+    else:
+        head = EagleHead(config).to(device)
     target = load_target_tensors(hf_dir, config, vocab_ids)
     target.embed, target.head_rows = target.embed.to(device), target.head_rows.to(device)
     table = reduced_index(vocab_ids, config.target_vocab_size)
@@ -264,7 +305,8 @@ def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, args, output
         unroll=args.unroll, batch=args.batch, ce_fraction=args.ce_fraction,
         feature_loss_weight=args.feature_loss_weight, bf16=not args.no_bf16)
     data = eagle_train.prepare(train, table, device)
-    eagle_train.init_from_data(head, data)
+    if initial is None:
+        eagle_train.init_from_data(head, data)
     step_fn = eagle_train.make_step_fn(head, target, data, train_config, args.seed,
                                        _progress(train_deadline, args.max_steps, output))
     state = _train_or_resume(args, output, head, _loop_config(args, 1e-3), step_fn, train_deadline, "train eagle head")
@@ -280,6 +322,8 @@ def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, args, output
         "reduced_vocab": vocab_info, "heldout": agreement,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if initial is not None:  # what it was fine-tuned from, and that head's own record
+        metadata["init_from"] = {"path": str(initial[2]), "metadata": previous}
     head.config.metadata = metadata
     save_head(output, head.cpu().float(), vocab_ids, dtype=torch.float16)
     return {"kind": "eagle", "target_model": args.target_model, **metadata}
