@@ -209,6 +209,15 @@ def test_shipped_head_matches_the_default_target() -> None:
     feature, logits = EagleDrafter(head, vocab_ids, tensors).step(torch.randn(2, 640), torch.tensor([2, 100]))
     assert feature.shape == (2, 640) and logits.shape == (2, config.reduced_vocab_size)
     assert config.metadata["heldout"]["rollout"]
+    # its measured acceptance, which a fresh draft service's block-length policy starts from
+    from draft_service.block_length import load_prior
+    from tandem.eagle import ACCEPTANCE_FILE
+
+    prior = load_prior(folder / ACCEPTANCE_FILE)
+    sources = {source.split(":")[0] for source, _ in prior}
+    assert {"lookup", "head"} <= sources
+    assert prior[("lookup:16", 0)] > prior[("lookup:1", 0)]  # a longer agreeing context copies better
+    assert prior[("head:0.9", 0)] > prior[("head:0.2", 0)]  # and a surer head drafts better
 
 
 def test_teacher_labels_are_the_float32_targets_choices(tiny_gemma_dir: Path) -> None:
