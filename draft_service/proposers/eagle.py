@@ -273,9 +273,10 @@ class EagleProposer(Proposer):
         )
         log.info(
             "eagle head %s loaded in %.1fs (draft vocabulary %d of the head's %d and the target's %d, steps in %s, "
-            "target embedding %s on %s)",
+            "target embedding %s on %s; %s)",
             head_dir, time.perf_counter() - started, drafter.vocab_ids.numel(), vocab_ids.numel(),
             config.target_vocab_size, str(dtype).removeprefix("torch."), str(embed.dtype).removeprefix("torch."), device,
+            f"acceptance prior of {len(prior)} rates" if prior else "no acceptance prior",
         )
         return cls(
             drafter,
