@@ -60,6 +60,21 @@ class EagleConfig:
     metadata: dict[str, Any] = field(default_factory=dict)  # how it was trained, what it measured
 
 
+def target_mismatches(config: EagleConfig, fingerprint: str, hidden_size: int, vocab_size: int) -> list[str]:
+    """What differs between the target a head was trained for and this one (empty: it fits).
+
+    A head's features and token ids mean nothing for another target. ``hidden_size`` 0 means not
+    known, not checked (a target's Info may leave it out)."""
+    problems = []
+    if config.target_fingerprint != fingerprint:
+        problems.append(f"tokenizer fingerprint {config.target_fingerprint} (head) vs {fingerprint or 'none'} (target)")
+    if hidden_size and config.hidden_size != hidden_size:
+        problems.append(f"hidden size {config.hidden_size} (head) vs {hidden_size} (target)")
+    if config.target_vocab_size != vocab_size:
+        problems.append(f"vocabulary size {config.target_vocab_size} (head) vs {vocab_size} (target)")
+    return problems
+
+
 class EagleHead(nn.Module):
     """(feature_t, embed(token_{t+1})) -> predicted feature_{t+1}.
 
@@ -236,4 +251,5 @@ __all__ = [
     "load_head",
     "load_target_tensors",
     "save_head",
+    "target_mismatches",
 ]

@@ -172,7 +172,7 @@ def test_init_from_rejects_heads_of_other_targets_and_standalone(tiny_gemma_dir:
     assert distill(tiny_gemma_dir, first, "--max-tokens", "200", "--max-steps", "1") == 0
     config = json.loads((first / "eagle.json").read_text())
     (first / "eagle.json").write_text(json.dumps({**config, "target_fingerprint": "someone-else"}))
-    with pytest.raises(SystemExit, match="another tokenizer"):
+    with pytest.raises(SystemExit, match="another target .*tokenizer fingerprint someone-else"):
         distill(tiny_gemma_dir, tmp_path / "b", "--init-from", str(first))
     with pytest.raises(SystemExit, match="not an eagle head directory"):
         distill(tiny_gemma_dir, tmp_path / "c", "--init-from", str(tmp_path / "nothing-here"))

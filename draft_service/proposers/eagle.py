@@ -41,6 +41,7 @@ from tandem.eagle import (
     TargetTensors,
     load_head,
     load_target_tensors,
+    target_mismatches,
 )
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,7 @@ def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetIn
     Compares what the head recorded at training time with the target's Info: the tokenizer
     fingerprint, the hidden size (0 in Info = not reported, not checked) and the vocabulary size.
     """
-    problems = []
-    if config.target_fingerprint != target.tokenizer_fingerprint:
-        problems.append(
-            f"tokenizer fingerprint {config.target_fingerprint} (head) vs {target.tokenizer_fingerprint or 'none'} (target)"
-        )
-    if target.hidden_size and config.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {config.hidden_size} (head) vs {target.hidden_size} (target)")
-    if config.target_vocab_size != target.vocab_size:
-        problems.append(f"vocabulary size {config.target_vocab_size} (head) vs {target.vocab_size} (target)")
+    problems = target_mismatches(config, target.tokenizer_fingerprint, target.hidden_size, target.vocab_size)
     if problems:
         raise IncompatibleDraftError(
             f"eagle head {head_name!r} was trained for target {config.target_model!r}, which does not match the "

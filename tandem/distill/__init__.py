@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 KINDS = ("eagle", "standalone")
 RUN_FILE = "distill.json"
@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     # 2. the reduced vocabulary, chosen once per run from the target's choices
     train = store.load(heldout=False)
     heldout = store.load(heldout=True)
-    fixed_vocab = initial[1] if initial is not None else None
+    fixed_vocab = initial.vocab_ids if initial is not None else None
     vocab_ids, vocab_info = _vocab(output, train, heldout, tokenizer, vocab_size, args.reduced_vocab, fixed_vocab)
 
     reserve = min(max(0.08 * (deadline - started), 10.0), 150.0)  # the held-out measurement + export
@@ -179,11 +179,21 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _initial_head(spec: str | None, target_model: str, fingerprint: str, hidden: int, vocab_size: int):
-    """--init-from: (head, vocab_ids, its directory) of the head to fine-tune, checked against the target."""
+class InitialHead(NamedTuple):
+    """--init-from: the head to fine-tune, its reduced vocabulary, where it came from, its record."""
+
+    head: Any  # tandem.eagle.EagleHead
+    vocab_ids: Any  # [reduced] int64
+    directory: Path
+    metadata: dict
+
+
+def _initial_head(spec: str | None, target_model: str, fingerprint: str, hidden: int,
+                  vocab_size: int) -> InitialHead | None:
+    """The head --init-from names, checked against the target."""
     if spec is None:
         return None
-    from tandem.eagle import EagleCheckpointError, builtin_head_dir, load_head
+    from tandem.eagle import EagleCheckpointError, builtin_head_dir, load_head, target_mismatches
 
     directory = builtin_head_dir(target_model) if spec == "builtin" else Path(spec)
     if directory is None:
@@ -192,13 +202,11 @@ def _initial_head(spec: str | None, target_model: str, fingerprint: str, hidden:
         head, vocab_ids = load_head(directory)
     except (EagleCheckpointError, OSError) as exc:
         raise _fail(f"--init-from {spec}: {exc}") from exc
-    config = head.config
-    if config.target_fingerprint != fingerprint:
-        raise _fail(f"--init-from {spec}: the head was trained for another tokenizer than {target_model!r}'s")
-    if (config.hidden_size, config.target_vocab_size) != (hidden, vocab_size):
-        raise _fail(f"--init-from {spec}: the head fits a target of hidden size {config.hidden_size} and "
-                    f"vocabulary {config.target_vocab_size}, not {hidden} and {vocab_size}")
-    return head, vocab_ids, directory
+    problems = target_mismatches(head.config, fingerprint, hidden, vocab_size)
+    if problems:
+        raise _fail(f"--init-from {spec}: the head was trained for another target than {target_model!r}: "
+                    f"{'; '.join(problems)}")
+    return InitialHead(head, vocab_ids, directory, dict(head.config.metadata or {}))
 
 
 def _vocab(output: Path, train: dict, heldout: dict, tokenizer: Any, vocab_size: int, size: int,
@@ -290,14 +298,12 @@ def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, initial, arg
         reduced_vocab_size=int(vocab_ids.numel()), target_vocab_size=int(text_config.vocab_size),
         target_model=args.target_model, target_fingerprint=fingerprint, embed_tensor=embed_name,
         head_tensor=head_name, logit_softcap=getattr(text_config, "final_logit_softcapping", None))
-    previous = dict(initial[0].config.metadata or {}) if initial is not None else {}
     if initial is not None:  # fine-tuning: the given head's shape, vocabulary and weights
-        head = initial[0]
-        config = EagleConfig(**{**asdict(head.config), "target_model": args.target_model, "metadata": {}})
-        head.config = config
-        head = head.to(device)
+        head = initial.head
+        config = head.config = replace(head.config, target_model=args.target_model, metadata={})
     else:
-        head = EagleHead(config).to(device)
+        head = EagleHead(config)
+    head = head.to(device)
     target = load_target_tensors(hf_dir, config, vocab_ids)
     target.embed, target.head_rows = target.embed.to(device), target.head_rows.to(device)
     table = reduced_index(vocab_ids, config.target_vocab_size)
@@ -323,7 +329,7 @@ def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, initial, arg
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if initial is not None:  # what it was fine-tuned from, and that head's own record
-        metadata["init_from"] = {"path": str(initial[2]), "metadata": previous}
+        metadata["init_from"] = {"path": str(initial.directory), "metadata": initial.metadata}
     head.config.metadata = metadata
     save_head(output, head.cpu().float(), vocab_ids, dtype=torch.float16)
     return {"kind": "eagle", "target_model": args.target_model, **metadata}
