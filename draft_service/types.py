@@ -67,8 +67,18 @@ class Proposal:
     token_ids: tuple[int, ...] = ()
     probs: tuple[SparseDist, ...] = ()
     sources: tuple[str, ...] = ()
+    # A token tree (greedy only): the parent of each draft, an earlier index or -1 for the last
+    # committed token. Empty: a chain.
+    parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.parents:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError(f"{len(self.parents)} parents for {len(self.token_ids)} draft tokens")
+            if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):
+                raise ValueError(f"tree parents must name an earlier draft or -1, got {list(self.parents)}")
+            if self.probs:
+                raise ValueError("a token tree is drafted greedily: it carries no q")
         if self.probs and len(self.probs) != len(self.token_ids):
             raise ValueError(f"{len(self.probs)} distributions for {len(self.token_ids)} draft tokens")
         if self.sources and len(self.sources) != len(self.token_ids):
@@ -78,6 +88,8 @@ class Proposal:
         """The first ``length`` drafts (with their q and sources)."""
         if length >= len(self.token_ids):
             return self
+        if self.parents:
+            raise ValueError("a token tree is not cut by length")
         return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length])
 
 

@@ -80,6 +80,7 @@ def verify_request(block: DraftBlock) -> target_pb2.VerifyRequest:
         block_id=block.block_id,
         tokenizer_fingerprint=block.tokenizer_fingerprint,
         return_hidden_states=block.return_hidden_states,
+        draft_parents=proposal.parents,
     )
 
 

@@ -54,6 +54,9 @@ class DraftBlock:
     tokenizer_fingerprint: str = ""
     # Return this block's hidden states even when the session was not prefilled asking for them.
     return_hidden_states: bool = False
+    # A token tree: each draft's parent (an earlier draft's index, or -1 for the last committed
+    # token). Empty: a chain.
+    draft_parents: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

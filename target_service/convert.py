@@ -33,6 +33,7 @@ def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:
         block_id=request.block_id,
         tokenizer_fingerprint=request.tokenizer_fingerprint,
         return_hidden_states=request.return_hidden_states,
+        draft_parents=tuple(request.draft_parents),
     )
 
 

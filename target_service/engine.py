@@ -36,7 +36,7 @@ from tandem.metrics import Metrics
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.v1 import common_pb2
-from target_service import kv_cache, ragged
+from target_service import kv_cache, ragged, tree
 from target_service.api import (
     FINISHED,
     NOT_FINISHED,
@@ -122,6 +122,7 @@ class _Step:
     last_only: bool = False  # scores of the last row only (a prefill chunk, a decode step)
     screened: bool = False  # argmax only, through the engine's screened head (greedy sessions)
     scored: bool = True  # False: no scores at all (a prompt chunk before the last)
+    tree: tuple[int, ...] | None = None  # token_ids as a token tree (target_service.tree.forward_parents)
 
     @property
     def no_logits(self) -> bool:
@@ -373,6 +374,8 @@ class TargetEngine:
             return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
         if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
             return Verdict(block.block_id, STALE, session.committed_len)
+        if block.draft_parents:
+            return self._plan_tree(block, session)
         # Draft tokens past the session's budget could never be committed; verifying only the
         # others changes no committed token's distribution (the last one is then a bonus token).
         k = min(len(block.draft_token_ids), session.remaining - 1)
@@ -403,6 +406,48 @@ class TargetEngine:
 
         want_hidden = session.config.return_hidden_states or block.return_hidden_states
         return _Step(session, [session.tokens[-1], *drafts], want_hidden, finish, screened=self._screened(session))
+
+    def _plan_tree(self, block: DraftBlock, session: Session) -> _Step:
+        """A token tree's pass (``target_service.tree``): greedy sessions only, through the ragged
+        path (the only one that attends under a tree mask)."""
+        if not bool(is_greedy(session.sampling.temperature)[0]):
+            raise InvalidArgument(
+                "a token tree (draft_parents) is verified greedily; this session samples (send a chain)"
+            )
+        if not self.batched:
+            raise InvalidArgument(f"this target's attention ({self.attention}) cannot verify token trees; send a chain")
+        drafts, parents = tree.within_depth(block.draft_token_ids, block.draft_parents, session.remaining - 1)
+
+        def finish(scores: RowScores, hidden: torch.Tensor | None, started: float) -> Verdict:
+            # scores of the 1 + n rows [root, *drafts], hidden [1 + n, hidden]: row i + 1 scores
+            # the token after draft i's path
+            choices = scores.argmax if scores.argmax is not None else scores.logits.argmax(dim=-1)  # [1 + n]
+            path, next_token = tree.greedy_path(drafts, parents, choices.tolist())
+            root_position = session.committed_len - 1
+            tree.keep_path(session.cache, root_position, path)
+            committed, reason = self._cut(session, [*(drafts[i] for i in path), next_token])
+            self._commit(session, committed, reason)
+            elapsed = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.verify_duration.observe(elapsed)
+                self.metrics.record_round(len(drafts), len(path))
+            rows = [0, *(i + 1 for i in path)][: len(committed)]  # row j produced committed token j
+            return Verdict(
+                block_id=block.block_id,
+                status=OK,
+                committed_len=session.committed_len,
+                num_accepted=min(len(path), len(committed)),
+                committed_token_ids=tuple(committed),
+                finish_reason=reason,
+                hidden_states=None if hidden is None else hidden[rows],
+                verify_seconds=elapsed,
+            )
+
+        want_hidden = session.config.return_hidden_states or block.return_hidden_states
+        return _Step(
+            session, [session.tokens[-1], *drafts], want_hidden, finish, screened=self._screened(session),
+            tree=tree.forward_parents(parents),
+        )
 
     def _verify_chain(
         self, session: Session, block: DraftBlock, drafts: list[int], logits: torch.Tensor
@@ -534,7 +579,7 @@ class TargetEngine:
         one forward pass. A session alone runs as :meth:`_forward` does, except a short step past
         the sliding window, which the ragged path runs faster (the same logits up to float
         summation order)."""
-        if not self.batched or (len(steps) == 1 and not self._ragged_pays(steps[0])):
+        if not self.batched or (len(steps) == 1 and steps[0].tree is None and not self._ragged_pays(steps[0])):
             outputs = [
                 self._forward(
                     step.session,
@@ -556,6 +601,7 @@ class TargetEngine:
                     want_hidden=any(step.needs_hidden for step in steps),
                     last_only=[step.last_only for step in steps],
                     no_logits=[step.no_logits for step in steps],
+                    trees=[step.tree for step in steps],
                 )
         except Exception:
             # As in _forward: caches may have grown in some layers and not others.

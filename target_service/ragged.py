@@ -30,7 +30,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kernels.reference.tree_attention import tree_attention_mask
+from kernels.hf_attention import tree_forward
+from kernels.reference.tree_attention import tree_attention_mask, tree_depths
 from target_service import kv_cache
 
 PREFIX = "tandem_ragged_"  # the wrapped implementation's name follows
@@ -42,17 +43,25 @@ class RaggedCache:
 
     caches: Sequence[DynamicCache]
     sizes: Sequence[int]  # new tokens per session, in sequence order
+    # per session: the parents of its new tokens (a token tree, see target_service.tree), or None for a chain
+    trees: Sequence[tuple[int, ...] | None] = ()
     marker: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 1, 1, 1, dtype=torch.bool))
     # layer -> each session's whole (keys, values) [1, kv_heads, its length, head_dim] after this update
     layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
-    # (new tokens, keys, window) -> [1, 1, new tokens, keys] bool: built once per pass, not per layer
-    masks: dict[tuple[int, int, int | None], torch.Tensor] = field(default_factory=dict)
+    # (new tokens, keys, window, tree) -> [1, 1, new tokens, keys] bool: built once per pass, not per layer
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, size: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
-        """Causal inside a slice of ``size`` new tokens after ``keys - size`` older ones, within ``window``."""
-        shape = (size, keys, window)
+    def tree(self, session: int) -> tuple[int, ...] | None:
+        return self.trees[session] if self.trees else None
+
+    def mask(
+        self, size: int, keys: int, window: int | None, device: torch.device, tree: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """Causal inside a slice of ``size`` new tokens after ``keys - size`` older ones (each token
+        over its own path for a tree), within ``window``."""
+        shape = (size, keys, window, tree)
         if shape not in self.masks:
-            self.masks[shape] = tree_attention_mask(None, size, keys, sliding_window=window, device=device)[:, None]
+            self.masks[shape] = tree_attention_mask(tree, size, keys, sliding_window=window, device=device)[:, None]
         return self.masks[shape]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -99,19 +108,29 @@ def forward(
     want_hidden: bool = False,
     last_only: Sequence[bool] | None = None,
     no_logits: Sequence[bool] | None = None,
+    trees: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Runs each session's ``token_ids`` after its cache, in one pass (the model must be
     :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]``
     (``[1, vocab]`` where ``last_only`` says so: a prompt's other rows would cost the LM head for
     nothing; ``[0, vocab]`` where ``no_logits`` says so: the caller scores its rows from the
-    hidden states) and, with ``want_hidden``, its final hidden states ``[n, hidden_size]``."""
+    hidden states) and, with ``want_hidden``, its final hidden states ``[n, hidden_size]``.
+
+    ``trees`` gives a session's new tokens as a token tree (``parents`` as in
+    ``kernels.reference.tree_attention``: -1 for the first, the last committed token); each then
+    sits at position ``cache length + depth`` and attends over its own path only."""
     if not model.config._attn_implementation.startswith(PREFIX):
         raise RuntimeError("ragged.forward needs ragged.install(model) first")
     sizes = [len(ids) for ids in token_ids]
     if not sizes or min(sizes) < 1:
         raise ValueError("every session of a ragged forward needs at least one token")
     flat = [token for ids in token_ids for token in ids]
-    positions = [kv_cache.cache_length(cache) + i for cache, size in zip(caches, sizes) for i in range(size)]
+    tree_list = [tuple(tree) if tree is not None else None for tree in trees] if trees is not None else []
+    offsets = [  # each new token's position after its session's cache: its index, or its depth in a tree
+        tree_depths(torch.tensor(tree_list[i]))[0].tolist() if tree_list and tree_list[i] is not None else range(size)
+        for i, size in enumerate(sizes)
+    ]
+    positions = [kv_cache.cache_length(cache) + d for cache, depth in zip(caches, offsets) for d in depth]
     input_ids = torch.tensor([flat], dtype=torch.long, device=device)  # [1, rows]
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, rows]
     last_only = list(last_only) if last_only is not None else [False] * len(sizes)
@@ -123,7 +142,7 @@ def forward(
         logits_to_keep = torch.cat(
             [torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]
         ).to(device)  # [sum(kept)] row indices (none at all: an empty index, and an LM head over no rows)
-    ragged = RaggedCache(caches, sizes)
+    ragged = RaggedCache(caches, sizes, tree_list)
     with _active(ragged):
         out = model(
             input_ids=input_ids,
@@ -160,16 +179,22 @@ def _ragged_attention(inner: str) -> Callable:
         window = kwargs.get("sliding_window")
         outputs = []
         start = 0
-        for (keys, values), size in zip(ragged.layers[module.layer_idx], ragged.sizes):
+        for session, ((keys, values), size) in enumerate(zip(ragged.layers[module.layer_idx], ragged.sizes)):
             q = query[:, :, start : start + size]  # [1, heads, n, head_dim]
             start += size
+            tree = ragged.tree(session)
             mask = None
             if wants_mask:
                 if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
                     keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
-                if size > 1:  # causal inside the slice, and the window where it cuts
-                    mask = ragged.mask(size, keys.shape[2], window, q.device)  # [1, 1, n, keys]
-            out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
+                if size > 1:  # causal inside the slice (along each path of a tree), and the window where it cuts
+                    mask = ragged.mask(size, keys.shape[2], window, q.device, tree)  # [1, 1, n, keys]
+                out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
+            elif tree is not None:  # tandem's tree attention reads the tree from its context
+                with tree_forward(tree):
+                    out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
+            else:
+                out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
             outputs.append(out)
         # [1, rows, heads, head_dim] (a lone session's output as is: no copy on its hot path)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None

@@ -60,6 +60,8 @@ def check_block(block: DraftBlock, vocab_size: int) -> None:
     if block.base_len < 0:
         raise InvalidArgument(f"base_len must be >= 0, got {block.base_len}")
     check_token_ids("draft_token_ids", block.draft_token_ids, vocab_size)
+    if block.draft_parents:
+        _check_tree(block)
     if not block.draft_probs:
         return
     if len(block.draft_probs) != len(block.draft_token_ids):
@@ -68,6 +70,25 @@ def check_block(block: DraftBlock, vocab_size: int) -> None:
         )
     for position, (token, q) in enumerate(zip(block.draft_token_ids, block.draft_probs)):
         _check_sparse_q(position, token, q.token_ids, q.probs, vocab_size)
+
+
+def _check_tree(block: DraftBlock) -> None:
+    parents, tokens = block.draft_parents, block.draft_token_ids
+    if len(parents) != len(tokens):
+        raise InvalidArgument(f"draft_parents has {len(parents)} entries for {len(tokens)} draft tokens")
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise InvalidArgument(
+                f"draft_parents[{i}] is {parent}: a parent is an earlier draft's index, "
+                "or -1 for the last committed token"
+            )
+    siblings = set()
+    for parent, token in zip(parents, tokens):
+        if (parent, token) in siblings:
+            raise InvalidArgument(f"draft_parents: token {token} appears twice under the same parent ({parent})")
+        siblings.add((parent, token))
+    if block.draft_probs:
+        raise InvalidArgument("a token tree (draft_parents) is verified greedily and carries no draft_probs")
 
 
 def _check_sparse_q(

@@ -72,7 +72,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "assumed_token_ids", "draft_token_ids", "draft_probs", "block_id", "tokenizer_fingerprint", "return_hidden_states")
+    __slots__ = ("session_id", "base_len", "assumed_token_ids", "draft_token_ids", "draft_probs", "block_id", "tokenizer_fingerprint", "return_hidden_states", "draft_parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class VerifyRequest(_message.Message):
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_len: int
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +90,8 @@ class VerifyRequest(_message.Message):
     block_id: int
     tokenizer_fingerprint: str
     return_hidden_states: bool
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., block_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., block_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("block_id", "status", "num_accepted", "committed_token_ids", "committed_len", "finish_reason", "hidden_states", "verify_seconds")
