@@ -7,7 +7,9 @@ drafter, which K" in about one: the target generates each bench prompt's greedy 
 once (cached in ``--cache``) along with its final hidden states, then every drafter's real
 proposer session is replayed against it in-process: propose, accept the longest prefix equal to
 the target's tokens, commit what a verdict would commit (with the hidden-state rows a verdict
-carries). Greedy verification is deterministic, so the rounds are exactly the live ones.
+carries). Greedy verification is deterministic, so the rounds are exactly the live ones. A token
+tree (``--draft-setting draft_tree_nodes=N``) accepts its longest root path equal to the target's
+tokens, and a round over its N nodes is priced as a pass over N + 1 tokens.
 
 Time is modelled, not measured end to end: a round costs the measured target pass over its
 1 + k tokens (median of several, on a context of the prompt's size), plus the drafter's own
@@ -55,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy, save_prior
+from draft_service.loop import root_path_length
 from draft_service.proposers import make_proposer
 from draft_service.types import SamplingConfig, TargetInfo
 from tandem.bench.prompts import Prompt, load_prompts
@@ -165,21 +168,19 @@ def replay(
             seconds += spent
             if propose_times is not None:
                 propose_times.append(spent)
-            if lengths is not None and proposal.sources:
+            tree = bool(proposal.parents)  # sent whole, and the policy learns nothing from it (as live)
+            if lengths is not None and proposal.sources and not tree:
                 proposal = proposal.cut(lengths.length(proposal.sources, local))
             drafts = proposal.token_ids
-            accepted = 0
-            while (
-                accepted < len(drafts) and committed + accepted < end and ids[committed + accepted] == drafts[accepted]
-            ):
-                accepted += 1
+            # The target's greedy verdict: the longest root path (of a chain: prefix) it agrees with.
+            accepted = root_path_length(proposal, ids[committed : committed + len(drafts)])
             new = ids[committed : committed + accepted + 1]
             # Row i of a verdict's hidden states produced committed token i: position - 1.
             session.commit(committed, new, hidden[committed - 1 : committed - 1 + len(new)])
             committed += len(new)
             seconds += costs[len(drafts) + 1]
             rounds += 1
-            if lengths is not None:
+            if lengths is not None and not tree:
                 lengths.observe(proposal.sources, accepted, len(drafts) + 1, costs[len(drafts) + 1], spent)
                 local.observe(proposal.sources, accepted)
     finally:

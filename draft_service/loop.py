@@ -30,6 +30,23 @@ PendingCommit = tuple[int, Sequence[int], "torch.Tensor | None"]
 MAX_STALE_RETRIES = 3
 
 
+def root_path_length(proposal: Proposal, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` the proposal drafted in a row from the last committed token: the
+    longest prefix of ``tokens`` that is a path from the root of its tree (of a chain: its prefix).
+
+    Siblings carry distinct tokens, so each token names at most one child to step to.
+    """
+    drafts = proposal.token_ids
+    parents = proposal.parents or tuple(range(-1, len(drafts) - 1))
+    node = -1
+    for length, token in enumerate(tokens):
+        # Children follow their parent in the block.
+        node = next((i for i in range(node + 1, len(drafts)) if parents[i] == node and drafts[i] == token), None)
+        if node is None:
+            return length
+    return len(tokens)
+
+
 class BlockVerifier(Protocol):
     async def verify(self, block: DraftBlock) -> Verdict:
         """Sends one block and returns its verdict."""
@@ -94,8 +111,11 @@ class SpeculationLoop:
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
             proposed = self._clock()
+            # A token tree is sent whole and learned from by no one: the policy's sources and
+            # depths describe chains (a tree's accepted path is not a prefix of its nodes).
+            learns = self._lengths is not None and not proposal.parents
             sources = ()
-            if self._lengths is not None and proposal.sources:
+            if learns and proposal.sources:
                 sources = tuple(self._source_prefix + source for source in proposal.sources)
                 proposal = proposal.cut(self._lengths.length(sources, self.acceptance))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
@@ -104,7 +124,7 @@ class SpeculationLoop:
                 self._on_stale(verdict)
                 continue
             self._stale_in_a_row = 0
-            if self._lengths is not None and verdict.status is VerdictStatus.OK:
+            if learns and verdict.status is VerdictStatus.OK:
                 sent = sources[: len(proposal.token_ids)]
                 self.acceptance.observe(sent, verdict.num_accepted)
                 self._lengths.observe(
@@ -202,9 +222,10 @@ class SpeculationLoop:
                 f"tokens onto {base_len}"
             )
         if not 0 <= accepted <= min(len(proposal.token_ids), len(committed)) or (
-            committed[:accepted] != proposal.token_ids[:accepted]
+            root_path_length(proposal, committed[:accepted]) != accepted
         ):
-            raise ProtocolError(f"verdict accepts {accepted} tokens that are not a prefix of the block")
+            shape = "a root path of the tree" if proposal.parents else "a prefix of the block"
+            raise ProtocolError(f"verdict accepts {accepted} tokens that are not {shape}")
         if not committed and verdict.finish_reason is FinishReason.NONE:
             raise ProtocolError("verdict committed nothing and did not finish the session")
         return committed

@@ -122,6 +122,16 @@ class DraftSettings(_Base):
         description="in ngram+eagle, a lookup block copied after a match of a single token gives way to the head "
         "when the head's own next token differs and it gives it at least this probability (0 = never)",
     )
+    draft_tree_nodes: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="in ngram+eagle, greedy sessions draft a token tree of at most this many nodes (the head's top "
+        "guesses and lookup's copy, best first by estimated path probability) instead of a chain (0 = chains)",
+    )
+    draft_tree_top_k: int = Field(
+        2, ge=1, le=8, description="in a token tree, the head's most probable guesses each node branches into"
+    )
     eagle_vocab: int = Field(
         4096,
         ge=0,

@@ -61,6 +61,29 @@ def test_rounds_commit_the_accepted_prefix_plus_one_with_the_verdicts_hidden_row
     assert COSTS[4] + COSTS[2] + COSTS[1] <= seconds < COSTS[4] + COSTS[2] + COSTS[1] + 0.5  # + propose time
 
 
+def test_a_tree_commits_its_longest_agreeing_root_path_is_priced_by_its_nodes_and_never_cut() -> None:
+    ids = [1, 2, 3, 10, 11, 12, 13, 14, 15]
+    # 11 and 99 under the last committed token, 12 under 11: the target's 11 12 is a root path.
+    tree = Proposal((99, 11, 12), sources=("tree:head",) * 3, parents=(-1, -1, 1))
+    proposer = Recording(())
+    sessions = proposer.new_session
+
+    def new_session(*args):
+        session = sessions(*args)
+        session.propose = lambda k: tree if k >= 3 else Proposal()
+        return session
+
+    proposer.new_session = new_session
+    lengths = draft_replay.BlockLengthPolicy()
+    lengths.costs.observe(2, 1.0)  # costs known: the policy would cut a chain
+    tokens, rounds, seconds = draft_replay.replay(proposer, run(ids, 3, 6), 3, COSTS, lengths=lengths)
+    assert proposer.commits[0] == (4, (11, 12, 13), (3, 4, 5))
+    assert [c[1] for c in proposer.commits] == [(11, 12, 13), (14,), (15,)]
+    assert (tokens, rounds) == (5, 3)
+    assert COSTS[4] + 2 * COSTS[1] <= seconds < COSTS[4] + 2 * COSTS[1] + 0.5  # 3 nodes: a pass over 4 tokens
+    assert not lengths.acceptance.rates(min_offered=1)  # the policy learned nothing from the tree
+
+
 def test_the_budget_caps_drafts_and_lookup_runs_unchanged() -> None:
     ids = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]  # a repeating prompt continues repeating
     tokens, rounds, seconds = draft_replay.replay(NgramProposer(), run(ids, 4, 6), 3, COSTS)

@@ -69,6 +69,8 @@ def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
             _load_eagle(head, settings, target),
             head_k=settings.eagle_k,
             overrule_confidence=settings.eagle_overrule_confidence,
+            tree_nodes=settings.draft_tree_nodes,
+            tree_top_k=settings.draft_tree_top_k,
         )
     if is_eagle_draft(spec):
         return _load_eagle(spec, settings, target)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,6 +63,19 @@ def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetIn
             f"target model {target.model_name!r}: {'; '.join(problems)}. Train a head for this target with "
             f"`tandem distill --kind eagle`, or use the ngram draft"
         )
+
+
+@dataclass(frozen=True)
+class HeadGuesses:
+    """The head's most likely next tokens after one position, for drafting a token tree.
+
+    ``feature`` ([1, hidden]) is the feature the head predicted for that position: the step that
+    expands one of the guesses takes it with the guessed token.
+    """
+
+    feature: torch.Tensor
+    token_ids: tuple[int, ...]  # target ids, most probable first
+    probs: tuple[float, ...]  # the head's softmax probability of each
 
 
 class EagleSession(ProposerSession):
@@ -102,6 +116,28 @@ class EagleSession(ProposerSession):
             return None
         probability, index = _top(step[1][0])
         return int(self._proposer.drafter.vocab_ids[index]), probability
+
+    def guesses(self, k: int) -> HeadGuesses | None:
+        """The head's top-``k`` tokens after the last committed one (its first step, kept until the
+        next commit); None without a current feature."""
+        step = self._step_from_feature()
+        return None if step is None else self._top_k(*step, k)
+
+    def guesses_after(self, features: torch.Tensor, tokens: Sequence[int], k: int) -> list[HeadGuesses]:
+        """The head's top-``k`` tokens after each drafted token of ``tokens``, from the features
+        [b, hidden] predicted for the positions before them (``HeadGuesses.feature`` of the guesses
+        each was among), in one batched step: on a CPU a step is bound by reading the head and its
+        LM-head rows, so b rows cost about what one does."""
+        token_ids = torch.tensor(list(tokens), dtype=torch.long, device=self._proposer.device)  # [b]
+        with torch.inference_mode():
+            predicted, logits = self._proposer.drafter.step(features, token_ids)  # [b, hidden], [b, reduced]
+        return [self._top_k(predicted[i : i + 1], logits[i : i + 1], k) for i in range(len(token_ids))]
+
+    def _top_k(self, feature: torch.Tensor, logits: torch.Tensor, k: int) -> HeadGuesses:
+        """feature [1, hidden], logits [1, reduced] -> the k most probable tokens as target ids."""
+        top = torch.softmax(logits[0].float(), dim=-1).topk(min(k, logits.shape[-1]))  # [k] each
+        token_ids = self._proposer.drafter.vocab_ids[top.indices]  # [k]
+        return HeadGuesses(feature, tuple(int(t) for t in token_ids), tuple(float(p) for p in top.values))
 
     def propose(self, max_tokens: int) -> Proposal:
         if self._closed:

@@ -1,0 +1,308 @@
+"""Token trees on the draft side: ``TokenTree`` in ngram+eagle, and the loop's handling of tree blocks.
+
+The builder is checked against a scripted head (exact probabilities, so the best-first order is
+known) and, through ``NgramFirstSession``, against a tiny random head for the wiring and the
+fallbacks to chains. The loop is driven by scripted verdicts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from draft_fakes import load_tiny
+from test_draft_eagle import load_eagle, make_head, target_info
+
+from draft_service.errors import ProtocolError
+from draft_service.loop import SpeculationLoop, root_path_length
+from draft_service.proposers import make_proposer
+from draft_service.proposers.eagle import HeadGuesses
+from draft_service.proposers.ngram import NgramProposer
+from draft_service.proposers.ngram_first import (
+    TREE_HEAD_SOURCE,
+    TREE_LOOKUP_SOURCE,
+    NgramFirstProposer,
+    NgramFirstSession,
+    TokenTree,
+)
+from draft_service.types import (
+    DraftBlock,
+    FinishReason,
+    Proposal,
+    SamplingConfig,
+    SessionSpec,
+    Verdict,
+    VerdictStatus,
+)
+from tandem.config import DraftSettings
+
+H, L = TREE_HEAD_SOURCE, TREE_LOOKUP_SOURCE
+
+
+# --------------------------------------------------------------------------- the builder, scripted
+
+
+def guesses(*pairs: tuple[int, float]) -> HeadGuesses:
+    return HeadGuesses(torch.zeros(1, 4), tuple(t for t, _ in pairs), tuple(p for _, p in pairs))  # feature [1, 4]
+
+
+class ScriptedHead:
+    """The head's guesses after each drafted token, from a table; records which tokens it expanded."""
+
+    def __init__(self, table: dict[int, HeadGuesses]) -> None:
+        self.table = table
+        self.expanded: list[int] = []
+
+    def guesses_after(self, features: torch.Tensor, tokens: list[int], k: int) -> list[HeadGuesses]:
+        assert features.shape == (len(tokens), 4)  # [b, hidden]: one batched step
+        self.expanded.append(tuple(tokens))
+        found = [self.table.get(t, guesses((90 + t % 5, 0.5), (95 + t % 5, 0.1))) for t in tokens]
+        return [HeadGuesses(g.feature, g.token_ids[:k], g.probs[:k]) for g in found]
+
+
+ROOT = guesses((10, 0.7), (11, 0.2))
+TABLE = {10: guesses((12, 0.8), (13, 0.1)), 11: guesses((14, 0.9), (15, 0.05)), 12: guesses((16, 0.5), (17, 0.3))}
+
+
+def test_a_strong_lookup_branch_joins_first_and_nearly_as_probable_guesses_expand_in_one_step() -> None:
+    head = ScriptedHead(TABLE)
+    # Lookup after a 2-token match: 0.9, 0.81, 0.729 by depth, ahead of the head's 0.7 for 10.
+    tree = TokenTree(head, top_k=2, budget=5).grow(ROOT, lookup=(10, 12, 20), match_len=2)
+    assert tree.token_ids == (10, 12, 20, 11, 14)
+    assert tree.parents == (-1, 0, 1, -1, 3)
+    assert tree.sources == (L, L, L, H, H)
+    # The head's 10 met lookup's node; 11 (0.2, at least a quarter of 0.7) joined before 10's
+    # guesses were known, so one step expanded both. 12 (0.56) met lookup's node and 14 (0.18)
+    # filled the budget before any step was spent on them.
+    assert head.expanded == [(10, 11)]
+
+
+def test_a_weak_lookup_draft_merges_with_the_heads_equal_guess() -> None:
+    head = ScriptedHead(TABLE)
+    # After a 1-token match lookup's first draft is worth 0.6: the head's 10 (0.7) joins first,
+    # lookup's 10 merges with it, lookup's next draft (0.54) hangs under that node, and the head's
+    # 11 (0.2) fills the budget: no head step at all.
+    tree = TokenTree(head, top_k=2, budget=3).grow(ROOT, lookup=(10, 99), match_len=1)
+    assert tree.token_ids == (10, 99, 11)
+    assert tree.parents == (-1, 0, -1)
+    assert tree.sources == (H, L, H)
+    assert head.expanded == []
+
+
+def test_without_lookup_the_tree_grows_by_path_probability() -> None:
+    head = ScriptedHead(TABLE)
+    tree = TokenTree(head, top_k=2, budget=4).grow(ROOT, lookup=(), match_len=0)
+    # 10 (0.7) and 11 (0.2) expand in one step; then 12 (0.56) and 14 (0.18).
+    assert tree.token_ids == (10, 11, 12, 14) and tree.parents == (-1, -1, 0, 1)
+    assert head.expanded == [(10, 11)]
+    # A guess under a quarter as probable as the pending node waits for its guesses: 11 (0.2 <
+    # 0.25 * 0.9) comes after 10's first guess 12 (0.72), then joins beside it in 12's batch.
+    head = ScriptedHead(TABLE)
+    sure = TokenTree(head, top_k=2, budget=3).grow(guesses((10, 0.9), (11, 0.2)), (), 0)
+    assert sure.token_ids == (10, 12, 11) and sure.parents == (-1, 0, -1) and head.expanded == [(10,)]
+    chain = TokenTree(ScriptedHead(TABLE), top_k=1, budget=4).grow(guesses((10, 0.7)), (), 0)  # top-1: a chain
+    assert chain.token_ids == (10, 12, 16, 91) and chain.parents == (-1, 0, 1, 2)
+
+
+# --------------------------------------------------------------------------- through ngram+eagle, tiny head
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir):
+    return load_tiny(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def head(llama, tmp_path_factory) -> Path:
+    return make_head(tmp_path_factory.mktemp("head"), llama)
+
+
+@pytest.fixture(scope="module")
+def eagle(llama, head):
+    return load_eagle(head, llama)
+
+
+def with_feature(proposer: NgramFirstProposer, tokens: list[int], sampling: SamplingConfig = SamplingConfig()):
+    """A session whose head has the feature for the last of ``tokens`` (as after a verdict)."""
+    session = proposer.new_session(tokens[:-1], sampling)
+    hidden = torch.randn(1, proposer.eagle.drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    session.commit(len(tokens) - 1, tokens[-1:], hidden)  # [1, hidden]
+    return session
+
+
+def children(tree: Proposal, parent: int) -> list[int]:
+    return [t for t, p in zip(tree.token_ids, tree.parents, strict=True) if p == parent]
+
+
+def test_a_greedy_session_drafts_a_valid_tree_within_its_budget(eagle) -> None:
+    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=3)
+    tokens = [5, 6, 7, 8, 9]  # nothing recurs: the head alone
+    for max_tokens, nodes in ((7, 5), (3, 3), (1, 1)):
+        session = with_feature(proposer, tokens)
+        tree = session.propose(max_tokens)  # Proposal checks parents precede children
+        assert len(tree.token_ids) == len(tree.parents) == nodes and session.trees == 1
+        assert tree.parents[0] == -1 and set(tree.sources) == {H}
+        for parent in range(-1, nodes):
+            assert len(set(children(tree, parent))) == len(children(tree, parent)) <= 3  # distinct siblings
+    # A random head spreads its probability thin: two nodes are its two best first guesses.
+    session = with_feature(NgramFirstProposer(NgramProposer(), eagle, tree_nodes=2), tokens)
+    assert session.propose(7).token_ids == session._eagle.guesses(2).token_ids
+
+
+class ScriptedSession(ScriptedHead):
+    """An eagle session for ``NgramFirstSession`` whose first guesses are ``ROOT``."""
+
+    def guesses(self, k: int) -> HeadGuesses:
+        return HeadGuesses(ROOT.feature, ROOT.token_ids[:k], ROOT.probs[:k])
+
+
+def test_propose_puts_a_weak_lookup_copy_in_the_tree_and_sends_a_strong_one_as_a_chain() -> None:
+    tokens = [7, 10, 99, 7]  # 7 recurs after one token: lookup copies (10, 99, 7, 10, ...)
+    lookup = NgramProposer().new_session(tokens, SamplingConfig())
+    session = NgramFirstSession(lookup, ScriptedSession(TABLE), tree_nodes=5)
+    tree = session.propose(7)
+    # The head's 10 (0.7) first, lookup's 10 (0.6) merged into it, then lookup's copy under it
+    # (0.54, 0.486, ...), each at least a quarter as probable as 10: no head step was needed.
+    assert tree.token_ids == (10, 99, 7, 10, 99)
+    assert tree.parents == (-1, 0, 1, 2, 3)
+    assert tree.sources == (H, L, L, L, L)
+    assert session.trees == 1 and session.lookups == session.head_drafts == 0
+    # After a match of two tokens lookup's long copy goes as a chain of the block's K, as without trees.
+    strong = NgramFirstSession(
+        NgramProposer().new_session([5, 7, 10, 99, 5, 7], SamplingConfig()), ScriptedSession(TABLE), tree_nodes=5
+    )
+    chain = strong.propose(7)
+    assert chain.parents == () and chain.token_ids[:3] == (10, 99, 5) and strong.lookups == 1 and strong.trees == 0
+
+
+def test_an_unsure_head_leaves_the_tree_to_lookups_copy(eagle) -> None:
+    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=6)
+    guess = with_feature(proposer, [5, 6, 7])._eagle.guesses(1).token_ids[0]  # after 7: feature and token only
+    other = next(t for t in range(20, 99) if t not in (guess, 7))
+    # Lookup's weakest draft here (0.6 * 0.9 ** 3) is worth more than anything a random head guesses.
+    tree = with_feature(proposer, [7, guess, other, 7]).propose(4)
+    assert tree == Proposal((guess, other, 7, guess), sources=(L,) * 4, parents=(-1, 0, 1, 2))
+
+
+def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> None:
+    tree_proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5)
+    fresh = tree_proposer.new_session([7, 8, 9, 7], SamplingConfig())  # no verdict yet: no feature
+    assert fresh.propose(3) == Proposal((8, 9, 7), sources=("lookup:1",) * 3)  # lookup's chain, as today
+    assert fresh.trees == 0
+    assert tree_proposer.new_session([5, 6, 7, 8, 9], SamplingConfig()).propose(3) == Proposal()
+
+    sampling = SamplingConfig(temperature=1.0, seed=0)
+    sampled = with_feature(tree_proposer, [5, 6, 7, 8, 9], sampling).propose(3)
+    chain = with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9], sampling).propose(3)
+    assert sampled.parents == () and sampled.probs and sampled.token_ids == chain.token_ids
+
+    assert with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9]).propose(3).parents == ()
+    with pytest.raises(ValueError, match="tree_top_k"):
+        NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=0)
+
+
+def test_the_settings_reach_the_proposer(llama, head) -> None:
+    settings = DraftSettings(draft_model=f"ngram+{head}", target_model=str(llama.hf_dir), device="cpu")
+    made = make_proposer(settings, target_info(llama))
+    assert (made.tree_nodes, made.tree_top_k) == (0, 2)  # chains by default
+    settings = settings.model_copy(update={"draft_tree_nodes": 6, "draft_tree_top_k": 3})
+    made = make_proposer(settings, target_info(llama))
+    assert (made.tree_nodes, made.tree_top_k) == (6, 3)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+# 10 and 11 under the last committed token, 12 under 11, 13 under 10.
+TREE = Proposal((10, 11, 12, 13), sources=(H, H, H, L), parents=(-1, -1, 1, 0))
+BASE = (1, 2, 3)
+
+
+class FixedDraft:
+    """A proposer session that drafts ``TREE`` and records its commits."""
+
+    def __init__(self) -> None:
+        self.commits: list[tuple[int, tuple[int, ...]]] = []
+
+    def propose(self, max_tokens: int) -> Proposal:
+        return TREE
+
+    def commit(self, base_len, token_ids, hidden_states=None) -> None:
+        self.commits.append((base_len, tuple(token_ids)))
+
+    def close(self) -> None:
+        pass
+
+
+class OneVerdict:
+    """Answers the first block with ``committed`` (``accepted`` of them drafts) and finishes."""
+
+    def __init__(self, accepted: int, committed: tuple[int, ...]) -> None:
+        self.accepted, self.committed = accepted, committed
+        self.blocks: list[DraftBlock] = []
+
+    async def verify(self, block: DraftBlock) -> Verdict:
+        self.blocks.append(block)
+        return Verdict(
+            block_id=block.block_id,
+            status=VerdictStatus.OK,
+            num_accepted=self.accepted,
+            committed_token_ids=self.committed,
+            committed_len=block.base_len + len(self.committed),
+            finish_reason=FinishReason.STOP,
+        )
+
+
+class CutToOne:
+    """A block-length policy that would cut every block to one draft and records what it learns."""
+
+    def __init__(self) -> None:
+        self.observed = 0
+
+    def length(self, sources, session=None) -> int:
+        return 1
+
+    def observe(self, *args, **kwargs) -> None:
+        self.observed += 1
+
+
+async def run_inline(fn, *args):
+    return fn(*args)
+
+
+async def one_round(verifier: OneVerdict, lengths: CutToOne | None = None):
+    spec = SessionSpec("s", BASE, prompt_len=2, sampling=SamplingConfig(), num_speculative_tokens=4)
+    loop = SpeculationLoop(spec, FixedDraft(), verifier, run_inline, lengths=lengths)
+    return [result async for result in loop.rounds()], loop
+
+
+async def test_the_loop_sends_a_tree_whole_and_commits_its_accepted_root_path() -> None:
+    verifier, lengths = OneVerdict(2, (11, 12, 40)), CutToOne()
+    results, loop = await one_round(verifier, lengths)
+    assert verifier.blocks[0].proposal == TREE  # not cut to one draft
+    assert [r.token_ids for r in results] == [(11, 12, 40)] and results[0].num_accepted == 2
+    assert lengths.observed == 0 and not loop.acceptance.rates(min_offered=1)  # nothing learned from a tree
+    assert loop.pending_commit[:2] == (len(BASE), (11, 12, 40))
+
+
+@pytest.mark.parametrize(
+    ("accepted", "committed"),
+    [
+        (2, (10, 12, 40)),  # 12 hangs under 11, not 10
+        (1, (12, 40)),  # 12 is not a child of the root
+        (2, (11, 10, 40)),  # 10 is 11's sibling
+    ],
+)
+async def test_the_loop_refuses_a_tree_verdict_that_is_not_a_root_path(accepted, committed) -> None:
+    with pytest.raises(ProtocolError, match="root path"):
+        await one_round(OneVerdict(accepted, committed))
+
+
+def test_root_path_length_walks_trees_and_chains() -> None:
+    assert root_path_length(TREE, (10, 13, 99)) == 2
+    assert root_path_length(TREE, (11, 12)) == 2
+    assert root_path_length(TREE, (11, 13)) == 1
+    assert root_path_length(TREE, ()) == 0
+    chain = Proposal((5, 6, 7))
+    assert [root_path_length(chain, t) for t in ((5, 6, 7, 8), (5, 7), (6,))] == [3, 1, 0]
