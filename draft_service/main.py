@@ -120,13 +120,14 @@ async def start_draft(
         worker.shutdown(wait=False)
         raise
     log.info(
-        "draft service (%s%s) serving on %s:%d, target %r at %s",
+        "draft service (%s%s) serving on %s:%d, target %r at %s; blocks: %s",
         proposer.kind,
         f" {proposer.model_name}" if proposer.model_name else "",
         host,
         bound_port,
         target_info.model_name,
         target_address,
+        proposer.block_shape,
     )
     return RunningDraft(bound_port, server, engine, target, worker, health)
 

@@ -123,7 +123,7 @@ class DraftSettings(_Base):
         "when the head's own next token differs and it gives it at least this probability (0 = never)",
     )
     draft_tree_nodes: int = Field(
-        0,
+        5,
         ge=0,
         le=64,
         description="in ngram+eagle, greedy sessions draft a token tree of at most this many nodes (the head's top "

@@ -205,7 +205,7 @@ def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> 
 def test_the_settings_reach_the_proposer(llama, head) -> None:
     settings = DraftSettings(draft_model=f"ngram+{head}", target_model=str(llama.hf_dir), device="cpu")
     made = make_proposer(settings, target_info(llama))
-    assert (made.tree_nodes, made.tree_top_k) == (0, 2)  # chains by default
+    assert (made.tree_nodes, made.tree_top_k) == (5, 2)  # trees of five nodes by default
     settings = settings.model_copy(update={"draft_tree_nodes": 6, "draft_tree_top_k": 3})
     made = make_proposer(settings, target_info(llama))
     assert (made.tree_nodes, made.tree_top_k) == (6, 3)

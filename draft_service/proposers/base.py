@@ -74,6 +74,11 @@ class Proposer(ABC):
         was built (``draft_service.block_length``); None when nothing was measured."""
         return None
 
+    @property
+    def block_shape(self) -> str:
+        """How its blocks are shaped, for the start-up log: "chains", or what trees it drafts."""
+        return "chains"
+
     @abstractmethod
     def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> ProposerSession:
         """Opens drafting state for a committed sequence (cheap: heavy work happens in propose)."""

@@ -292,6 +292,12 @@ class NgramFirstProposer(Proposer):
         return True
 
     @property
+    def block_shape(self) -> str:
+        if not self.tree_nodes:
+            return "chains"
+        return f"token trees of up to {self.tree_nodes} nodes (top-{self.tree_top_k}) for greedy sessions, else chains"
+
+    @property
     def acceptance_prior(self) -> AcceptancePrior | None:
         """The head's: it was measured with lookup drafting beside the head (lookup and copy sources too)."""
         return self.eagle.acceptance_prior
