@@ -38,7 +38,10 @@ is what an eagle head ships as ``acceptance.json``, so a fresh draft service cut
 warmed one does:
 
     python benchmarks/draft_replay.py --drafts auto -k 7 --cut on --prompts distill:48 \\
+        --draft-setting draft_tree_nodes=0 \\
         --cache /tmp/distill-48.pt --save-prior tandem/data/eagle/gemma-3-270m/acceptance.json
+
+(with chains: the block-length policy, and so the prior, learns nothing from token trees).
 """
 
 from __future__ import annotations
