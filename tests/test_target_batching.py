@@ -151,8 +151,9 @@ def _start(engine: TargetEngine, sessions: dict[str, SessionConfig]) -> None:
 
 
 def _calls(engine: TargetEngine, round_: int, session_ids) -> list:
-    """A verify block (some drafts right, some wrong), a sampled block with the draft's q, or a
-    decode step for each session, depending on the round."""
+    """A verify block (some drafts right, some wrong; a token tree for greedy sessions every other
+    round), a sampled block with the draft's q, or a decode step for each session, depending on the
+    round."""
     calls = []
     for i, session_id in enumerate(session_ids):
         session = engine.store.get(session_id)
@@ -162,6 +163,15 @@ def _calls(engine: TargetEngine, round_: int, session_ids) -> list:
         drafts = tuple(_tokens(100 * round_ + i, 1 + (i + round_) % 4))
         if kind == 0:
             calls.append(DecodeStep(session_id))
+        elif session.config.temperature == 0 and round_ % 2 == 0 and len(drafts) > 1:
+            # A token tree: two branches from the last committed token (siblings' tokens distinct).
+            parents = (-1, 0, -1, 2)[: len(drafts)]
+            if len(drafts) > 2 and drafts[2] == drafts[0]:
+                drafts = (*drafts[:2], 3 + drafts[2] % 296, *drafts[3:])
+            calls.append(
+                DraftBlock(session_id, session.committed_len, drafts, block_id=round_, draft_parents=parents,
+                           return_hidden_states=True)
+            )
         elif kind == 1 or session.config.temperature == 0:
             calls.append(
                 DraftBlock(session_id, session.committed_len, drafts, block_id=round_, return_hidden_states=True)
