@@ -21,9 +21,10 @@ the shipped head). While a 4-token verification cost 39 ms against 36 ms for one
 head draft was best; now that passes over up to 8 tokens cost little more than one
 (``tandem.cpu_linear``), three are (measured in ``tandem.config`` beside ``DEFAULT_K``).
 
-With ``--draft-tree-nodes N`` a greedy session drafts a token tree instead (``TokenTree``): the
-head's top guesses at each position and lookup's copy compete for N nodes by estimated path
-probability, so where the head's first guess is wrong its second may still be accepted.
+Greedy sessions draft a token tree instead where lookup has no strong match (``TokenTree``,
+``--draft-tree-nodes N``, default 5; 0 = chains): the head's top guesses at each position and
+lookup's weak copy compete for N nodes by estimated path probability, so where the head's first
+guess is wrong its second may still be accepted.
 """
 
 from __future__ import annotations
@@ -32,15 +33,14 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from draft_service.block_length import AcceptancePrior
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession, HeadGuesses
 from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
 from draft_service.types import Proposal, SamplingConfig, SparseDist
-
-import torch
 
 COPY_SOURCE = "copy"  # Proposal.sources: lookup's continuation of the head's drafts
 TREE_HEAD_SOURCE = "tree:head"  # Proposal.sources of a tree's nodes (the block-length policy skips trees)
@@ -77,10 +77,11 @@ class TokenTree:
     branch of the same frontier, one draft after another. Siblings have distinct tokens (the
     target refuses duplicates): a candidate equal to a node already there merges with it, so a
     lookup draft the head also guessed costs no node, and a head guess equal to a lookup node
-    expands that node. In ``benchmarks/draft_replay.py`` (K=7, cut on, top-2) five nodes committed
-    2.56 tokens a round against 2.48 for chains (code 2.52 against 2.39) but lost where lookup's
-    long copies pay (json 3.65 against 3.94), and a round drafted in 5.3 ms against 2.4 (a head
-    step per expanded node): 2.09x of autoregressive decoding against 2.13x.
+    expands that node. Where prompt lookup matches strongly (two tokens or more) the session sends
+    lookup's chain instead: a long copy beats any five nodes. In ``benchmarks/draft_replay.py``
+    (bench prompts, K=7, cut on, top-2, five nodes) trees committed 2.70 tokens a round against
+    2.53 for chains (code 2.61 against 2.41, prose 1.74 against 1.61, json 4.20 both) for 0.5 ms
+    more drafting a round; seven nodes gained little more and cost a wider pass.
     """
 
     def __init__(self, head: EagleSession, top_k: int, budget: int) -> None:
