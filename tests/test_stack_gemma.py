@@ -85,14 +85,16 @@ def test_model_draft_with_the_gemma_tokenizer_is_lossless(gemma, tmp_path) -> No
             assert usage.speculative_decoding.rounds > 0
 
 
-def test_shipped_eagle_head_is_lossless(gemma) -> None:
+@pytest.mark.parametrize(("draft", "proposer"), [("eagle", "eagle"), ("auto", "ngram+eagle")])
+def test_shipped_eagle_head_is_lossless(gemma, draft, proposer) -> None:
     """The eagle draft for the default target: it drafts from the target's hidden states, which the
-    draft asks for per block (the gateway prefills without them)."""
+    draft asks for per block (the gateway prefills without them); and the default pair, lookup and
+    the head, whose greedy sessions send token trees."""
     tokenizer, greedy = gemma
-    with running_stack("gemma-3-270m", "eagle", k=5, ready_timeout_s=600) as stack:
+    with running_stack("gemma-3-270m", draft, k=7 if draft == "auto" else 5, ready_timeout_s=600) as stack:
         with grpc.insecure_channel(f"127.0.0.1:{stack.draft_port}") as channel:
             info = draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
-        assert (info.proposer, info.model_name) == ("eagle", "eagle:gemma-3-270m")
+        assert (info.proposer, info.model_name) == (proposer, "eagle:gemma-3-270m")
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 32), (long_prompt(tokenizer), 16)):
             ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
             assert ids == greedy(prompt_ids, n), len(prompt_ids)
