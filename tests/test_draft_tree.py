@@ -7,12 +7,10 @@ fallbacks to chains. The loop is driven by scripted verdicts.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from draft_fakes import load_tiny
-from test_draft_eagle import load_eagle, make_head, target_info
+from test_draft_eagle import load_eagle, target_info
+from test_draft_ngram_first import head, llama  # noqa: F401 (fixtures)
 
 from draft_service.errors import ProtocolError
 from draft_service.loop import SpeculationLoop, root_path_length
@@ -106,16 +104,6 @@ def test_without_lookup_the_tree_grows_by_path_probability() -> None:
 
 
 # --------------------------------------------------------------------------- through ngram+eagle, tiny head
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_dir):
-    return load_tiny(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def head(llama, tmp_path_factory) -> Path:
-    return make_head(tmp_path_factory.mktemp("head"), llama)
 
 
 @pytest.fixture(scope="module")

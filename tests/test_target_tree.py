@@ -15,41 +15,8 @@ from target_service import convert, tree
 from target_service.api import OK, DraftBlock, SparseQ
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
-from target_service.session import SessionConfig
-
-PROMPT_LEN = 20  # longer than the tiny Gemma's sliding window (8)
-NEW_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_dir):
-    return load_model(str(tiny_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def gemma(tiny_gemma_dir):
-    return load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(params=["llama", "gemma3"])
-def target(request, llama, gemma):
-    return llama if request.param == "llama" else gemma
-
-
-def _prompt(seed: int) -> list[int]:
-    return torch.randint(3, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def greedy(max_new_tokens: int = NEW_TOKENS, **kwargs) -> SessionConfig:
-    return SessionConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **kwargs)
+from test_target_engine import NEW_TOKENS, PROMPT_LEN, gemma, greedy, hf_greedy, llama, target  # noqa: F401
+from test_target_engine import _prompt as prompt_ids
 
 
 def random_tree(rng: random.Random, reference: list[int], nodes: int) -> tuple[list[int], list[int]]:
@@ -91,7 +58,7 @@ def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -
         from tandem.screened_head import ScreenedArgmax
 
         engine.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
-    prompt = _prompt(0)
+    prompt = prompt_ids(0)
     reference = hf_greedy(target.model, prompt, NEW_TOKENS)
     engine.prefill("s", prompt, greedy())
     session = engine.store.get("s")
@@ -120,7 +87,7 @@ def test_the_accepted_path_leaves_the_cache_and_hidden_states_of_a_chain(target)
     keys and values: the next pass gives the logits of a fresh pass over the sequence, and the
     verdict's hidden states are the fresh pass's states for the committed positions."""
     engine = TargetEngine(target)
-    prompt = _prompt(3)
+    prompt = prompt_ids(3)
     reference = hf_greedy(target.model, prompt, 8)
     engine.prefill("s", prompt, greedy(return_hidden_states=True))
     wrong = [(reference[1] + 7) % 300, (reference[1] + 8) % 300]
@@ -142,7 +109,7 @@ def test_the_accepted_path_leaves_the_cache_and_hidden_states_of_a_chain(target)
 
 def test_a_tree_deeper_than_the_budget_commits_within_it(llama) -> None:
     engine = TargetEngine(llama)
-    prompt = _prompt(5)
+    prompt = prompt_ids(5)
     reference = hf_greedy(llama.model, prompt, 3)
     engine.prefill("s", prompt, greedy(max_new_tokens=3))
     tokens = (reference[1], reference[2], 11, 12)
@@ -152,8 +119,8 @@ def test_a_tree_deeper_than_the_budget_commits_within_it(llama) -> None:
 
 def test_tree_refusals(llama) -> None:
     engine = TargetEngine(llama)
-    engine.prefill("g", _prompt(6), greedy())
-    engine.prefill("t", _prompt(7), greedy(temperature=1.0, seed=1))
+    engine.prefill("g", prompt_ids(6), greedy())
+    engine.prefill("t", prompt_ids(7), greedy(temperature=1.0, seed=1))
     bad = {
         "entries for": DraftBlock("g", PROMPT_LEN + 1, (1, 2), draft_parents=(-1,)),
         "earlier draft": DraftBlock("g", PROMPT_LEN + 1, (1, 2), draft_parents=(-1, 1)),
@@ -196,7 +163,7 @@ def test_trees_through_tandem_tree_attention(tiny_gemma_dir) -> None:
     hf_attention.install(loaded.model, hf_attention.NAME_REFERENCE)
     engine = TargetEngine(loaded)
     assert engine.attention.endswith(hf_attention.NAME_REFERENCE)
-    prompt = _prompt(9)
+    prompt = prompt_ids(9)
     reference = hf_greedy(loaded.model, prompt, 12)
     engine.prefill("s", prompt, greedy(max_new_tokens=12))
     session = engine.store.get("s")
