@@ -81,12 +81,18 @@ def _kernel_tables(spec: TreeSpec | None, n_q: int, device: torch.device) -> tup
     return _CHAIN_TABLES[n_q, device]
 
 
-@contextlib.contextmanager
-def tree_forward(parents: Sequence[int] | torch.Tensor) -> Iterator[TreeSpec]:
-    """Makes the forwards run inside this block attend under the tree ``parents`` (see the module doc)."""
+def tree_spec(parents: Sequence[int] | torch.Tensor) -> TreeSpec:
+    """The validated tree of ``parents`` ([n_q] or [batch, n_q]); one spec shared by several
+    forwards (or layers) builds the kernel's tables once."""
     table = torch.as_tensor(parents, dtype=torch.long).cpu()  # [n_q] or [batch, n_q]
     table = parents_table(table, table.shape[-1])  # validated; [rows, n_q]
-    spec = TreeSpec(table[0] if table.shape[0] == 1 else table)
+    return TreeSpec(table[0] if table.shape[0] == 1 else table)
+
+
+@contextlib.contextmanager
+def tree_forward(parents: Sequence[int] | torch.Tensor | TreeSpec) -> Iterator[TreeSpec]:
+    """Makes the forwards run inside this block attend under the tree ``parents`` (see the module doc)."""
+    spec = parents if isinstance(parents, TreeSpec) else tree_spec(parents)
     token = _TREE.set(spec)
     try:
         yield spec

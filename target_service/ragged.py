@@ -30,7 +30,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kernels.hf_attention import tree_forward
+from kernels.hf_attention import TreeSpec, tree_forward, tree_spec
 from kernels.reference.tree_attention import tree_attention_mask, tree_depths
 from target_service import kv_cache
 
@@ -51,8 +51,16 @@ class RaggedCache:
     # (new tokens, keys, window, tree) -> [1, 1, new tokens, keys] bool: built once per pass, not per layer
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
+    # session -> its tree for tandem's tree attention (built on first use, shared by every layer)
+    specs: dict[int, TreeSpec] = field(default_factory=dict)
+
     def tree(self, session: int) -> tuple[int, ...] | None:
         return self.trees[session] if self.trees else None
+
+    def tree_spec(self, session: int) -> TreeSpec:
+        if session not in self.specs:
+            self.specs[session] = tree_spec(self.trees[session])
+        return self.specs[session]
 
     def mask(
         self, size: int, keys: int, window: int | None, device: torch.device, tree: tuple[int, ...] | None = None
@@ -191,7 +199,7 @@ def _ragged_attention(inner: str) -> Callable:
                     mask = ragged.mask(size, keys.shape[2], window, q.device, tree)  # [1, 1, n, keys]
                 out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
             elif tree is not None:  # tandem's tree attention reads the tree from its context
-                with tree_forward(tree):
+                with tree_forward(ragged.tree_spec(session)):
                     out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
             else:
                 out, _ = inner_fn(module, q, keys, values, mask, **kwargs)  # [1, n, heads, head_dim]
