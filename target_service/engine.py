@@ -387,22 +387,7 @@ class TargetEngine:
                 accepted, next_token = _greedy_chain(drafts, scores.argmax.tolist())
             else:
                 accepted, next_token = self._verify_chain(session, block, drafts, scores.logits)
-            committed, reason = self._cut(session, [*drafts[:accepted], next_token])
-            self._commit(session, committed, reason)
-            elapsed = time.perf_counter() - started
-            if self.metrics is not None:
-                self.metrics.verify_duration.observe(elapsed)
-                self.metrics.record_round(k, accepted)
-            return Verdict(
-                block_id=block.block_id,
-                status=OK,
-                committed_len=session.committed_len,
-                num_accepted=min(accepted, len(committed)),
-                committed_token_ids=tuple(committed),
-                finish_reason=reason,
-                hidden_states=None if hidden is None else hidden[: len(committed)],
-                verify_seconds=elapsed,
-            )
+            return self._ok_verdict(block, session, k, drafts[:accepted], next_token, hidden, started)
 
         want_hidden = session.config.return_hidden_states or block.return_hidden_states
         return _Step(session, [session.tokens[-1], *drafts], want_hidden, finish, screened=self._screened(session))
@@ -423,30 +408,45 @@ class TargetEngine:
             # the token after draft i's path
             choices = scores.argmax if scores.argmax is not None else scores.logits.argmax(dim=-1)  # [1 + n]
             path, next_token = tree.greedy_path(drafts, parents, choices.tolist())
-            root_position = session.committed_len - 1
-            tree.keep_path(session.cache, root_position, path)
-            committed, reason = self._cut(session, [*(drafts[i] for i in path), next_token])
-            self._commit(session, committed, reason)
-            elapsed = time.perf_counter() - started
-            if self.metrics is not None:
-                self.metrics.verify_duration.observe(elapsed)
-                self.metrics.record_round(len(drafts), len(path))
-            rows = [0, *(i + 1 for i in path)][: len(committed)]  # row j produced committed token j
-            return Verdict(
-                block_id=block.block_id,
-                status=OK,
-                committed_len=session.committed_len,
-                num_accepted=min(len(path), len(committed)),
-                committed_token_ids=tuple(committed),
-                finish_reason=reason,
-                hidden_states=None if hidden is None else hidden[rows],
-                verify_seconds=elapsed,
+            tree.keep_path(session.cache, session.committed_len - 1, path)
+            path_rows = None if hidden is None else hidden[[0, *(i + 1 for i in path)]]  # [1 + len(path), hidden]
+            return self._ok_verdict(
+                block, session, len(drafts), [drafts[i] for i in path], next_token, path_rows, started
             )
 
         want_hidden = session.config.return_hidden_states or block.return_hidden_states
         return _Step(
             session, [session.tokens[-1], *drafts], want_hidden, finish, screened=self._screened(session),
             tree=tree.forward_parents(parents),
+        )
+
+    def _ok_verdict(
+        self,
+        block: DraftBlock,
+        session: Session,
+        drafted: int,
+        accepted: list[int],
+        next_token: int,
+        hidden: torch.Tensor | None,
+        started: float,
+    ) -> Verdict:
+        """Commits a verified block's accepted drafts and next token (cut at a stop or the budget)
+        and answers it; ``hidden`` [>= committed, hidden_size]: row j produced the j-th of them."""
+        committed, reason = self._cut(session, [*accepted, next_token])
+        self._commit(session, committed, reason)
+        elapsed = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.verify_duration.observe(elapsed)
+            self.metrics.record_round(drafted, len(accepted))
+        return Verdict(
+            block_id=block.block_id,
+            status=OK,
+            committed_len=session.committed_len,
+            num_accepted=min(len(accepted), len(committed)),
+            committed_token_ids=tuple(committed),
+            finish_reason=reason,
+            hidden_states=None if hidden is None else hidden[: len(committed)],
+            verify_seconds=elapsed,
         )
 
     def _verify_chain(
