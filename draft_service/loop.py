@@ -158,6 +158,7 @@ class SpeculationLoop:
                 num_accepted=verdict.num_accepted,
                 round_seconds=self._clock() - started,
                 verify_seconds=verdict.verify_seconds,
+                num_draft_positions=proposal.positions,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

@@ -84,6 +84,17 @@ class Proposal:
         if self.sources and len(self.sources) != len(self.token_ids):
             raise ValueError(f"{len(self.sources)} sources for {len(self.token_ids)} draft tokens")
 
+    @property
+    def positions(self) -> int:
+        """The most drafts the target could accept: the length of a chain, the deepest root
+        path of a tree (a tree of 5 nodes may offer only 3)."""
+        if not self.parents:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths)
+
     def cut(self, length: int) -> Proposal:
         """The first ``length`` drafts (with their q and sources)."""
         if length >= len(self.token_ids):
@@ -149,6 +160,7 @@ class RoundResult:
     round_seconds: float
     verify_seconds: float
     verified: bool = True  # False for the closing result of a FINISHED verdict (no block verified)
+    num_draft_positions: int = 0  # the block's Proposal.positions (num_draft_tokens for a chain)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ def speculate_response(result: RoundResult) -> draft_pb2.SpeculateResponse:
         num_accepted=result.num_accepted,
         round_seconds=result.round_seconds,
         verify_seconds=result.verify_seconds,
+        num_draft_positions=result.num_draft_positions,
     )
 
 

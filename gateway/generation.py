@@ -278,7 +278,8 @@ class Generation:
                 self._deps.breaker.record_success()
                 if message.token_ids:
                     self._controller.observe_round(
-                        Round(len(message.token_ids), message.num_draft_tokens, message.num_accepted, seconds)
+                        Round(len(message.token_ids), message.num_draft_tokens, message.num_accepted, seconds,
+                              positions=message.num_draft_positions or message.num_draft_tokens)
                     )
                     self._deps.step_timer.observe_verify(message.verify_seconds)
                 yield Batch(message.token_ids, message.finish_reason, message.committed_len, Mode.SPECULATIVE,

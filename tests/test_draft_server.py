@@ -116,6 +116,7 @@ async def test_speculate_streams_the_targets_greedy_tokens(hf_draft, fake_target
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert responses[-1].committed_len == len(PROMPT) + n
     assert all(r.num_draft_tokens <= 4 and r.round_seconds > 0 for r in responses)
+    assert all(r.num_draft_positions == r.num_draft_tokens for r in responses)  # chains
     sent = fake_target.service.requests
     assert all(not r.draft_probs and not r.assumed_token_ids for r in sent)  # greedy blocks: tokens only
     assert {r.tokenizer_fingerprint for r in sent} == {fake_target.service.fingerprint}

@@ -270,6 +270,7 @@ async def test_the_loop_sends_a_tree_whole_and_commits_its_accepted_root_path() 
     results, loop = await one_round(verifier, lengths)
     assert verifier.blocks[0].proposal == TREE  # not cut to one draft
     assert [r.token_ids for r in results] == [(11, 12, 40)] and results[0].num_accepted == 2
+    assert results[0].num_draft_tokens == len(TREE.token_ids) and results[0].num_draft_positions == TREE.positions
     assert lengths.observed == 0 and not loop.acceptance.rates(min_offered=1)  # nothing learned from a tree
     assert loop.pending_commit[:2] == (len(BASE), (11, 12, 40))
 
@@ -285,6 +286,12 @@ async def test_the_loop_sends_a_tree_whole_and_commits_its_accepted_root_path() 
 async def test_the_loop_refuses_a_tree_verdict_that_is_not_a_root_path(accepted, committed) -> None:
     with pytest.raises(ProtocolError, match="root path"):
         await one_round(OneVerdict(accepted, committed))
+
+
+def test_positions_are_a_chains_length_and_a_trees_depth() -> None:
+    assert Proposal((5, 6, 7)).positions == 3 and Proposal().positions == 0
+    assert Proposal((1, 2, 3, 4, 5), parents=(-1, -1, 0, 0, 2)).positions == 3
+    assert Proposal((1, 2), parents=(-1, -1)).positions == 1
 
 
 def test_root_path_length_walks_trees_and_chains() -> None:

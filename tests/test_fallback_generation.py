@@ -86,9 +86,10 @@ class ScriptedDraft(InMemoryDraft):
     """Commits one token per round with ``accepted`` of K accepted; ``lose_after`` rounds in, it
     commits a round in the target and dies before forwarding it (the verdict is lost)."""
 
-    def __init__(self, model, accepted=0, lose_after=None, stall_after=None, pause=None):
+    def __init__(self, model, accepted=0, lose_after=None, stall_after=None, pause=None, drafted=K, positions=0):
         super().__init__(model)
         self.accepted = accepted
+        self.drafted, self.positions = drafted, positions  # positions < drafted: a token tree
         self.lose_after = lose_after
         self.stall_after = stall_after
         self.pause = pause  # (after this many tokens, seconds): one silence, as behind a busy target
@@ -113,8 +114,9 @@ class ScriptedDraft(InMemoryDraft):
                 raise UpstreamUnavailable("the draft service (in memory) died")
             sent += len(tokens)
             yield draft_pb2.SpeculateResponse(token_ids=tokens, committed_len=session.committed_len,
-                                              finish_reason=session.finish, num_draft_tokens=K,
-                                              num_accepted=min(self.accepted, len(tokens)))
+                                              finish_reason=session.finish, num_draft_tokens=self.drafted,
+                                              num_accepted=min(self.accepted, len(tokens)),
+                                              num_draft_positions=self.positions)
             if session.finish:
                 return
 
@@ -145,6 +147,19 @@ async def test_good_acceptance_keeps_speculating(tokenizer, model):
     assert text == SCRIPT_TEXT
     stats = finished.usage.speculative_decoding
     assert (stats.mode, stats.fallbacks, stats.acceptance_rate) == ("speculative", 0, 1.0)
+
+
+@pytest.mark.parametrize(("positions", "mode"), [(3, "speculative"), (0, "mixed")])
+async def test_token_trees_are_judged_on_their_depth_not_their_node_count(tokenizer, model, positions, mode):
+    # 12-node trees over 3 positions with one draft accepted a round: 1/3 of what they could
+    # have done clears the 0.1 floor, 1/12 per node would not (0: a draft that does not say).
+    draft = ScriptedDraft(model, accepted=1, drafted=12, positions=positions)
+    deps = make_deps(tokenizer, model, draft)
+    text, _, finished, _ = await run(deps, make_request(tokenizer))
+    assert text == SCRIPT_TEXT
+    stats = finished.usage.speculative_decoding
+    assert stats.mode == mode and (stats.fallbacks == 0) == (mode == "speculative")
+    assert stats.draft_tokens >= 12 * 4  # usage counts every node drafted
 
 
 async def test_a_lost_verdict_is_recovered_by_a_fresh_session_without_gaps(tokenizer, model):

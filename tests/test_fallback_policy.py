@@ -123,6 +123,21 @@ def test_a_small_slowdown_within_the_margin_does_not_switch():
     assert c.next_leg()[1] is None
 
 
+def test_a_token_tree_is_judged_on_the_positions_it_could_have_had_accepted():
+    # Five nodes over three positions, two accepted: 2/3 of what a chain could have done, above
+    # the 0.6 floor; counted per node (2/5) the same rounds would fall back.
+    tree = Round(committed=3, drafted=5, accepted=2, seconds=None, positions=3)
+    c = controller()
+    for _ in range(4):
+        c.observe_round(tree)
+    assert c.stats().acceptance == 2 / 3
+    assert c.next_leg()[1] is None
+    per_node = controller()
+    for _ in range(4):
+        per_node.observe_round(Round(committed=3, drafted=5, accepted=2, seconds=None))
+    assert per_node.next_leg()[1] == Decision(AR, LOW_ACCEPTANCE)
+
+
 def test_untimed_rounds_are_judged_on_acceptance_only():
     c = controller(step_s=0.001)
     for _ in range(4):

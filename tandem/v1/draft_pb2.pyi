@@ -44,7 +44,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("token_ids", "committed_len", "finish_reason", "num_draft_tokens", "num_accepted", "round_seconds", "verify_seconds")
+    __slots__ = ("token_ids", "committed_len", "finish_reason", "num_draft_tokens", "num_accepted", "round_seconds", "verify_seconds", "num_draft_positions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class SpeculateResponse(_message.Message):
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
     finish_reason: _common_pb2.FinishReason
@@ -59,4 +60,5 @@ class SpeculateResponse(_message.Message):
     num_accepted: int
     round_seconds: float
     verify_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., round_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+    num_draft_positions: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., round_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., num_draft_positions: _Optional[int] = ...) -> None: ...
