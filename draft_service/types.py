@@ -114,7 +114,7 @@ class SessionSpec:
     sampling: SamplingConfig
     num_speculative_tokens: int  # K, already resolved from the service default
     session_max_new_tokens: int = 0  # the target session's budget incl. the prefill token; 0 = none
-    max_new_tokens: int = 0  # tokens this call may stream; 0 = until the session finishes
+    max_new_tokens: int = 0  # the call ends after the round that streams this many in all; 0 = with the session
     tokenizer_fingerprint: str = ""  # the caller's; empty = not checked
 
 

@@ -23,9 +23,10 @@ failed probe doubles the wait before the next, so a session does not flap.
 Switching is only safe where an upstream stream ends by itself (a ``Speculate`` with
 ``max_new_tokens``, a ``Generate`` with ``max_new_tokens``): cancelling a stream in the middle
 could let the target commit tokens the gateway never sees. So the controller plans *legs* — how
-many tokens the next stream may commit, and in which mode — and decides only between legs. A
+many tokens the next stream should commit, and in which mode — and decides only between legs. A
 speculative leg is sized to a number of rounds, so decisions come about as often as the window
-refills.
+refills; it ends after the round that reaches its size (rounds are not cut short for a leg, so it
+may commit up to K more), a ``Generate`` leg exactly at its size.
 
 Times are measured by the gateway (gaps between upstream messages) for both modes, so network
 and serialisation costs weigh on both sides alike. The target's step time is shared by all
@@ -106,7 +107,8 @@ class Round:
 
 @dataclass(frozen=True)
 class Leg:
-    """The next upstream stream: its mode and how many tokens it may commit (0: no limit)."""
+    """The next upstream stream: its mode and how many tokens it should commit (0: no limit;
+    a speculative one ends after the round that reaches it)."""
 
     mode: Mode
     max_new_tokens: int = 0
