@@ -175,7 +175,7 @@ class GatewaySettings(_Base):
     # Session-level fallback to the target's Generate (gateway.policy, gateway.adaptive)
     fallback_adaptive: bool = Field(True, description="fall back mid-session when speculation does not pay")
     fallback_min_acceptance: float = Field(
-        0.1, ge=0.0, le=1.0,
+        0.05, ge=0.0, le=1.0,
         description="fall back below this acceptance (a floor for hopeless drafts: whether speculation pays is "
         "measured in time)",
     )
