@@ -94,19 +94,26 @@ class ReferenceTarget:
         committed = self._commit(session, first)
         return committed[0], session.finish
 
-    def verify(self, session_id: str, base_len: int, assumed: Sequence[int], draft: Sequence[int]) -> Verdict:
-        """Raises KeyError for an unknown session (NOT_FOUND over gRPC)."""
+    def verify(
+        self,
+        session_id: str,
+        base_len: int,
+        assumed: Sequence[int],
+        draft: Sequence[int],
+        parents: Sequence[int] = (),
+    ) -> Verdict:
+        """Raises KeyError for an unknown session (NOT_FOUND over gRPC). ``parents``: a token
+        tree (each draft's parent, -1 for the last committed token), verified path by path."""
         session = self.sessions[session_id]
         now = len(session.tokens)
         if session.finish is not FinishReason.NONE:
             return Verdict(0, VerdictStatus.FINISHED, committed_len=now, finish_reason=session.finish)
         if base_len + len(assumed) != now or session.tokens[base_len:] != list(assumed):
             return Verdict(0, VerdictStatus.STALE, committed_len=now)
-        target = self._greedy(session.tokens + list(draft), len(draft) + 1)  # [k + 1]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == target[accepted]:
-            accepted += 1
-        committed = self._commit(session, list(draft[:accepted]) + [target[accepted]])
+        walk = self._walk_tree(session.tokens, draft, parents) if parents else self._walk_chain(session.tokens, draft)
+        accepted_ids, next_token = walk
+        committed = self._commit(session, [*accepted_ids, next_token])
+        accepted = len(accepted_ids)
         return Verdict(
             0,
             VerdictStatus.OK,
@@ -115,6 +122,27 @@ class ReferenceTarget:
             committed_len=len(session.tokens),
             finish_reason=session.finish,
         )
+
+    def _walk_chain(self, tokens: list[int], draft: Sequence[int]) -> tuple[list[int], int]:
+        """The accepted prefix of a chain and the target's next token after it."""
+        target = self._greedy(tokens + list(draft), len(draft) + 1)  # [k + 1]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == target[accepted]:
+            accepted += 1
+        return list(draft[:accepted]), target[accepted]
+
+    def _walk_tree(self, tokens: list[int], draft: Sequence[int], parents: Sequence[int]) -> tuple[list[int], int]:
+        """From the root, follow the child equal to the target's choice after the path so far
+        (one plain forward per step: slow, and independent of the engine's tree attention)."""
+        path: list[int] = []
+        node = -1
+        while True:
+            choice = self._greedy(tokens + path, 1)[0]
+            child = next((i for i, p in enumerate(parents) if p == node and draft[i] == choice), None)
+            if child is None:
+                return path, choice
+            path.append(choice)
+            node = child
 
     def release(self, session_id: str) -> bool:
         return self.sessions.pop(session_id, None) is not None
@@ -144,7 +172,8 @@ class InMemoryVerifier:
 
     async def verify(self, block: DraftBlock) -> Verdict:
         self.blocks.append(block)
-        verdict = self.target.verify(block.session_id, block.base_len, (), block.proposal.token_ids)
+        proposal = block.proposal
+        verdict = self.target.verify(block.session_id, block.base_len, (), proposal.token_ids, proposal.parents)
         return Verdict(**{**verdict.__dict__, "block_id": block.block_id})
 
 
@@ -194,7 +223,8 @@ class FakeTargetService(target_pb2_grpc.TargetServiceServicer):
                     await asyncio.sleep(self.verify_delay_s)
                 try:
                     verdict = self.target.verify(
-                        request.session_id, request.base_len, request.assumed_token_ids, request.draft_token_ids
+                        request.session_id, request.base_len, request.assumed_token_ids, request.draft_token_ids,
+                        request.draft_parents,
                     )
                 except KeyError:
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_draft_eagle import load_eagle, target_info
+from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy
 from test_draft_ngram_first import head, llama  # noqa: F401 (fixtures)
 
 from draft_service.errors import ProtocolError
@@ -301,3 +302,59 @@ def test_root_path_length_walks_trees_and_chains() -> None:
     assert root_path_length(TREE, ()) == 0
     chain = Proposal((5, 6, 7))
     assert [root_path_length(chain, t) for t in ((5, 6, 7, 8), (5, 7), (6,))] == [3, 1, 0]
+
+
+class RandomTrees:
+    """A proposer session that drafts random trees of up to ``nodes`` nodes around the target's
+    true continuation: each position holds the right token on a random branch, or not at all."""
+
+    def __init__(self, expected: list[int], committed: int, nodes: int, seed: int) -> None:
+        self.expected, self.committed, self.nodes = expected, committed, nodes
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def _chance(self, p: float) -> bool:
+        return float(torch.rand((), generator=self.rng)) < p
+
+    def propose(self, max_tokens: int) -> Proposal:
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-1, 0)]  # (node, offset into the continuation after the committed sequence)
+        while frontier and len(tokens) < min(self.nodes, max_tokens):
+            node, depth = frontier.pop(int(torch.randint(len(frontier), (), generator=self.rng)))
+            truth = self.expected[self.committed + depth] if self.committed + depth < len(self.expected) else 0
+            children = {tokens[i] for i, p in enumerate(parents) if p == node}
+            for token in (truth if self._chance(0.7) else 1000 + len(tokens), 2000 + len(tokens)):
+                if token in children or len(tokens) >= min(self.nodes, max_tokens):
+                    continue
+                tokens.append(token)
+                parents.append(node)
+                children.add(token)
+                if token == truth or self._chance(0.3):
+                    frontier.append((len(tokens) - 1, depth + 1))
+        return Proposal(tuple(tokens), parents=tuple(parents))
+
+    def commit(self, base_len, token_ids, hidden_states=None) -> None:
+        self.committed = base_len + len(token_ids)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_random_trees_through_the_loop_and_the_reference_target_decode_its_greedy_output(llama, seed) -> None:
+    prompt, n = (2, 40, 41, 42, 43, 44, 45), 24
+    eos = llama.tokenizer.eos_token_id
+    expected = generate_greedy(llama.model, prompt, n, eos)  # [n] the target's own continuation
+    reference = ReferenceTarget(llama.model, (eos,))
+    first, _ = reference.prefill("s", prompt, max_new_tokens=n)
+    committed = (*prompt, first)
+    spec = SessionSpec("s", committed, len(prompt), SamplingConfig(), num_speculative_tokens=6,
+                       session_max_new_tokens=n)
+    proposer = RandomTrees([*prompt, *expected], len(committed), nodes=6, seed=seed)
+    verifier = InMemoryVerifier(reference)
+    results = [r async for r in SpeculationLoop(spec, proposer, verifier, run_inline).rounds()]
+    assert [first, *(t for r in results for t in r.token_ids)] == expected
+    trees = [b.proposal for b in verifier.blocks if b.proposal.parents]
+    assert trees and max(r.num_accepted for r in results) >= 2  # trees were sent, and paths accepted
+    sent = {b.block_id: b.proposal for b in verifier.blocks}
+    assert all(r.num_draft_positions == p.positions for r, p in zip(results, sent.values()) if r.verified)
