@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.token_tree import depths
+
 if TYPE_CHECKING:
     import torch
 
@@ -88,12 +90,7 @@ class Proposal:
     def positions(self) -> int:
         """The most drafts the target could accept: the length of a chain, the deepest root
         path of a tree (a tree of 5 nodes may offer only 3)."""
-        if not self.parents:
-            return len(self.token_ids)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths)
+        return max(depths(self.parents)) if self.parents else len(self.token_ids)
 
     def cut(self, length: int) -> Proposal:
         """The first ``length`` drafts (with their q and sources)."""

@@ -99,7 +99,8 @@ class Round:
     # first message, whose time includes the call's set-up.
     seconds: float | None = None
     # The most drafts the round could have had accepted: ``drafted`` for a chain, the deepest
-    # root path for a token tree (whose other branches can never all be accepted). None: drafted.
+    # root path for a token tree (whose other branches can never all be accepted). None: drafted
+    # (a chain, or a draft too old to send it).
     positions: int | None = None
 
     @property

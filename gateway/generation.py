@@ -279,7 +279,7 @@ class Generation:
                 if message.token_ids:
                     self._controller.observe_round(
                         Round(len(message.token_ids), message.num_draft_tokens, message.num_accepted, seconds,
-                              positions=message.num_draft_positions or message.num_draft_tokens)
+                              positions=message.num_draft_positions or None)
                     )
                     self._deps.step_timer.observe_verify(message.verify_seconds)
                 yield Batch(message.token_ids, message.finish_reason, message.committed_len, Mode.SPECULATIVE,

@@ -24,22 +24,13 @@ import torch
 from transformers import DynamicCache
 
 from kernels.reference.compact_kv import compact_kv
-
-ROOT = -1  # the parent of a draft that follows the last committed token
+from tandem.token_tree import ROOT, depths
 
 
 def forward_parents(draft_parents: Sequence[int]) -> tuple[int, ...]:
     """The parents of the pass's rows ``[root, *drafts]``: the root has none (-1), draft i sits at
     row i + 1 and its parent at row ``parent + 1`` (the root for ``ROOT``)."""
     return (ROOT, *(parent + 1 for parent in draft_parents))
-
-
-def depths(draft_parents: Sequence[int]) -> list[int]:
-    """Each draft's depth below the root (1 for a child of the root)."""
-    found: list[int] = []
-    for parent in draft_parents:
-        found.append(1 if parent == ROOT else found[parent] + 1)
-    return found
 
 
 def within_depth(
