@@ -15,6 +15,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TANDEM_CACHE_DIR=/cache \
     TANDEM_HOST=0.0.0.0
 
+# A C++ compiler: the quantized CPU kernel (tandem/quant/qmatmul.cpp) is built on first use, for
+# the CPU the container runs on, into the cache volume.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from its own index (the CPU wheel by default), in a layer of its own: it is the
 # biggest download and changes least often.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"

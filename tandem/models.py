@@ -84,6 +84,7 @@ class ResolvedSpec:
     spec: str
     name: str  # served model id: built-in name, or the folder / file stem
     hf_dir: Path
+    gguf: Path | None = None  # the GGUF file it was converted from (its blocks: tandem.quant)
 
 
 class ModelSpecError(ValueError):
@@ -101,14 +102,14 @@ def resolve(spec: str) -> ResolvedSpec:
     """Turns a SPEC into a Hugging Face directory, converting (and caching) GGUF files."""
     name = default_served_name(spec)
     if spec in BUILTIN_MODELS:
-        return ResolvedSpec(spec, name, _builtin_hf_dir(spec))
+        return ResolvedSpec(spec, name, _builtin_hf_dir(spec), _builtin_gguf(spec))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelSpecError(f"model directory {path} has no config.json")
         return ResolvedSpec(spec, name, path)
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedSpec(spec, name, _gguf_hf_dir(path))
+        return ResolvedSpec(spec, name, _gguf_hf_dir(path), path)
     known = ", ".join(sorted(BUILTIN_MODELS))
     raise ModelSpecError(
         f"model spec {spec!r} is neither a Hugging Face checkpoint directory, a .gguf file, "
@@ -118,14 +119,28 @@ def resolve(spec: str) -> ResolvedSpec:
 
 def _builtin_hf_dir(name: str) -> Path:
     out = cache_dir() / "models" / name
-    if (out / ".complete").exists():
-        return out
+    if not (out / ".complete").exists():
+        _convert_gguf(_builtin_gguf(name), out)
+    return out
+
+
+def _builtin_gguf(name: str) -> Path:
+    """The built-in model's GGUF file, assembled from its package into the cache once."""
+    import fcntl
     import importlib
 
     package = importlib.import_module(BUILTIN_MODELS[name])
-    gguf_path = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
-    _convert_gguf(gguf_path, out)
-    return out
+    path = cache_dir() / "gguf" / package.MODEL_NAME
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            package.assemble(tmp, overwrite=True)
+            tmp.rename(path)
+    return path
 
 
 def _gguf_hf_dir(path: Path) -> Path:
@@ -177,8 +192,15 @@ class LoadedModel:
     model: Any  # transformers PreTrainedModel, in eval mode
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     hf_dir: Path
-    dtype: str  # "float32", "bfloat16", "float16"
+    dtype: str  # "float32", "bfloat16", "float16": what activations are computed in
     device: str  # "cpu", "cuda", "cuda:0", ...
+    # "quantized:Q4_K,Q8_0,..." where the weights are the GGUF file's own blocks (tandem.quant), else ""
+    quantization: str = ""
+
+    @property
+    def weights(self) -> str:
+        """What Info reports as the model's dtype: the quantization, else the float dtype."""
+        return self.quantization or self.dtype
 
 
 def pick_device(device: str = "auto") -> str:
@@ -190,6 +212,7 @@ def pick_device(device: str = "auto") -> str:
 
 
 def pick_dtype(dtype: str, device: str) -> str:
+    """The float dtype activations (and unquantized weights) are computed in."""
     if dtype == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -204,7 +227,10 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
-    """Loads a causal LM and its tokenizer from a SPEC, for inference."""
+    """Loads a causal LM and its tokenizer from a SPEC, for inference.
+
+    ``dtype="auto"`` on a CPU computes a GGUF model on its file's own quantized blocks (float32
+    activations; ``tandem.quant``); ``"float32"`` on their exact float32 dequantization."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,16 +239,39 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
 
     resolved = resolve(spec)
     device = pick_device(device)
-    dtype = pick_dtype(dtype, device)
+    requested, dtype = dtype, pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
     model = AutoModelForCausalLM.from_pretrained(
         str(resolved.hf_dir), dtype=getattr(torch, dtype)
     )
     model.to(device)
     model.eval()
+    quantization = ""
+    if requested == "auto" and device == "cpu" and resolved.gguf is not None:
+        quantization = _quantize(model, resolved)
     if install_cpu_linears(model, device):
         tune_row_plans(model)
-    return LoadedModel(name or resolved.name, model, tokenizer, resolved.hf_dir, dtype, device)
+    return LoadedModel(name or resolved.name, model, tokenizer, resolved.hf_dir, dtype, device, quantization)
+
+
+def _quantize(model: Any, resolved: ResolvedSpec) -> str:
+    """Computes the model on its GGUF file's blocks where this host has the kernel for it (see
+    ``tandem.quant``); returns the quantization Info reports, or "" where it keeps float32."""
+    from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
+    from tandem.quant.native import KernelUnavailable, load_kernel
+
+    try:
+        kernel = load_kernel()
+    except KernelUnavailable as reason:
+        log.warning("%s: computing on float32 dequantized weights instead (%s)", resolved.name, reason)
+        return ""
+    summary = quantize_model(model, resolved.gguf, resolved.hf_dir / BLOCKS_FILE, kernel)
+    if not summary.swapped:
+        log.warning("%s: no tensor of %s is in a block type tandem computes on; float32 weights", resolved.name,
+                    resolved.gguf.name)
+        return ""
+    log.info("%s: %s", resolved.name, summary.describe())
+    return summary.dtype
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -34,6 +34,7 @@ from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
 from tandem.config import TargetSettings
 from tandem.metrics import Metrics
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
+from tandem.quant.modules import int8_activations
 from tandem.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.v1 import common_pb2
 from target_service import kv_cache, ragged, tree
@@ -181,6 +182,9 @@ class TargetEngine:
         # attention (CUDA) applies the window itself, so there lone steps keep the ordinary path.
         sdpa = self.attention == ragged.PREFIX + "sdpa"
         self.ragged_after = _sliding_window(text_config) if sdpa else None
+        # int8 activations turn a multi-row pass's rounding noise into changed tokens: then every
+        # short pass, a decode step included, runs through ragged.forward attending row by row.
+        self.row_exact = sdpa and int8_activations(self.model)
         self.verifier = select_verifier(loaded.device)
         self.greedy_head: ScreenedArgmax | None = (
             screened_argmax_for(self.model, loaded.device) if screened_head else None
@@ -190,7 +194,7 @@ class TargetEngine:
             model_name=loaded.name,
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
-            dtype=loaded.dtype,
+            dtype=loaded.weights,
             device=loaded.device,
             max_context_len=_context_len(text_config, max_context_len),
             eos_token_ids=_eos_token_ids(loaded, self.vocab_size),
@@ -602,6 +606,7 @@ class TargetEngine:
                     last_only=[step.last_only for step in steps],
                     no_logits=[step.no_logits for step in steps],
                     trees=[step.tree for step in steps],
+                    row_exact=self.row_exact,
                 )
         except Exception:
             # As in _forward: caches may have grown in some layers and not others.
@@ -637,11 +642,11 @@ class TargetEngine:
         ]
 
     def _ragged_pays(self, step: _Step) -> bool:
-        """Whether a session alone runs faster through ``ragged.forward`` than through :meth:`_forward`."""
-        return (
-            self.ragged_after is not None
-            and len(step.token_ids) <= RAGGED_LONE_MAX_ROWS
-            and kv_cache.cache_length(step.session.cache) > self.ragged_after
+        """Whether a session alone runs through ``ragged.forward`` rather than :meth:`_forward`: it is
+        faster past the sliding window, and it is the row-exact path (``row_exact``)."""
+        return len(step.token_ids) <= RAGGED_LONE_MAX_ROWS and (
+            self.row_exact
+            or (self.ragged_after is not None and kv_cache.cache_length(step.session.cache) > self.ragged_after)
         )
 
     def _screened(self, session: Session) -> bool:

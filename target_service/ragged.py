@@ -53,6 +53,8 @@ class RaggedCache:
 
     # session -> its tree for tandem's tree attention (built on first use, shared by every layer)
     specs: dict[int, TreeSpec] = field(default_factory=dict)
+    # attend row by row, each over exactly the keys an autoregressive step at its position sees (see forward)
+    row_exact: bool = False
 
     def tree(self, session: int) -> tuple[int, ...] | None:
         return self.trees[session] if self.trees else None
@@ -117,6 +119,7 @@ def forward(
     last_only: Sequence[bool] | None = None,
     no_logits: Sequence[bool] | None = None,
     trees: Sequence[Sequence[int] | None] | None = None,
+    row_exact: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Runs each session's ``token_ids`` after its cache, in one pass (the model must be
     :func:`install`-ed); appends to every cache. Returns per session its logits ``[n, vocab]``
@@ -126,7 +129,13 @@ def forward(
 
     ``trees`` gives a session's new tokens as a token tree (``parents`` as in
     ``kernels.reference.tree_attention``: -1 for the first, the last committed token); each then
-    sits at position ``cache length + depth`` and attends over its own path only."""
+    sits at position ``cache length + depth`` and attends over its own path only.
+
+    ``row_exact`` (SDPA only): each row attends alone, over exactly the keys a one-token step at its
+    position would (the cache, its path, the window), so its output is bit for bit that step's. A
+    multi-row SDPA call sums in another order than a one-row call; with float32 activations that
+    is rounding noise, but int8 activations (``tandem.quant``) round it into whole steps of a
+    quantization level, enough to change a greedy token now and then."""
     if not model.config._attn_implementation.startswith(PREFIX):
         raise RuntimeError("ragged.forward needs ragged.install(model) first")
     sizes = [len(ids) for ids in token_ids]
@@ -150,7 +159,7 @@ def forward(
         logits_to_keep = torch.cat(
             [torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]
         ).to(device)  # [sum(kept)] row indices (none at all: an empty index, and an LM head over no rows)
-    ragged = RaggedCache(caches, sizes, tree_list)
+    ragged = RaggedCache(caches, sizes, tree_list, row_exact=row_exact)
     with _active(ragged):
         out = model(
             input_ids=input_ids,
@@ -192,7 +201,9 @@ def _ragged_attention(inner: str) -> Callable:
             start += size
             tree = ragged.tree(session)
             mask = None
-            if wants_mask:
+            if wants_mask and ragged.row_exact:
+                out = _rows_alone(q, keys, values, window, tree, kwargs)  # [1, n, heads, head_dim]
+            elif wants_mask:
                 if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
                     keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
                 if size > 1:  # causal inside the slice (along each path of a tree), and the window where it cuts
@@ -208,3 +219,52 @@ def _ragged_attention(inner: str) -> Callable:
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     return attention
+
+
+def _rows_alone(query, keys, values, window, tree, kwargs) -> torch.Tensor:
+    """Each row of ``query`` [1, heads, n, head_dim] attended alone over its visible keys of
+    ``keys``/``values`` [1, kv_heads, cached + n, head_dim]: the cache, then the new rows up to
+    itself (its path in a tree), the last ``window`` of them; by :func:`_attend_one`, the same
+    computation a one-token step at that position makes."""
+    size = query.shape[2]
+    cached = keys.shape[2] - size
+    paths = _paths(tree, size)
+    outputs = []
+    for row in range(size):
+        if tree is None or paths[row] == list(range(row + 1)):  # a chain prefix: the keys as they are
+            k, v = keys[:, :, : cached + row + 1], values[:, :, : cached + row + 1]
+        else:
+            index = torch.cat([torch.arange(cached), cached + torch.tensor(paths[row])]).to(keys.device)
+            k, v = keys.index_select(2, index), values.index_select(2, index)
+        if window and k.shape[2] > window:
+            k, v = k[:, :, -window:], v[:, :, -window:]
+        outputs.append(_attend_one(query[:, :, row : row + 1], k, v, kwargs))
+    return torch.cat(outputs, dim=1)
+
+
+def _attend_one(query, keys, values, kwargs) -> torch.Tensor:
+    """Plain attention of one query [1, heads, 1, head_dim] over every key [1, kv_heads, keys,
+    head_dim] (grouped-query heads share theirs), float32 softmax; -> [1, 1, heads, head_dim].
+
+    The query is copied first, so its alignment (and with it any kernel path) does not depend on
+    where in a pass its row sat."""
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+    scale = kwargs.get("scaling") or dim**-0.5
+    q = query[0, :, 0].reshape(kv_heads, heads // kv_heads, dim).contiguous()  # [kv_heads, group, dim]
+    scores = torch.matmul(q, keys[0].transpose(1, 2)) * scale  # [kv_heads, group, keys]
+    softcap = kwargs.get("softcap")
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+    out = torch.matmul(weights, values[0])  # [kv_heads, group, dim]
+    return out.reshape(1, 1, heads, dim)
+
+
+def _paths(tree, size: int) -> list[list[int]]:
+    """Per row, the rows from the first to itself along its tree path (a chain: every earlier row)."""
+    if tree is None:
+        return [list(range(row + 1)) for row in range(size)]
+    paths: list[list[int]] = []
+    for row, parent in enumerate(tree):
+        paths.append([*paths[parent], row] if parent >= 0 else [row])
+    return paths

@@ -69,3 +69,14 @@ def tiny_gemma_dir(tmp_path_factory) -> Path:
 def gemma_spec() -> str:
     """The real built-in default target (converted once into the tandem cache)."""
     return "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_gemma(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Gemma 3 (hidden size 256, for the K block types) and a GGUF file of its weights in
+    every block type tandem computes on; the checkpoint holds the file's exact dequantization."""
+    from tiny import make_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("tiny-gguf-gemma")
+    hf_dir = make_tiny_model(folder / "hf", seed=3, arch="gemma3", num_layers=3, sliding_window=8, hidden_size=256)
+    return hf_dir, make_tiny_gguf(hf_dir, folder / "tiny-gemma.gguf")

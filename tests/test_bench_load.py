@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tandem.bench.client import RequestResult
-from tandem.bench.load import Job, interleaved_jobs, poisson_offsets, run_jobs
+from tandem.bench.load import Job, interleaved_jobs, mode_order, poisson_offsets, run_jobs
 from tandem.bench.prompts import Prompt, PromptFileError, load_prompts
 
 PROMPTS = [Prompt("code", f"p{i}") for i in range(4)]
@@ -23,6 +23,29 @@ def test_modes_interleave_and_alternate() -> None:
         (2, "speculative"), (2, "autoregressive"), (3, "autoregressive"), (3, "speculative"),
     ]
     assert [j.index for j in jobs] == list(range(8))
+
+
+def test_three_modes_and_peers_interleave_without_a_favourite() -> None:
+    modes = ["speculative", "autoregressive", "auto"]
+    jobs = interleaved_jobs([Prompt("code", f"p{i}") for i in range(6)], modes)
+    orders = [[j.mode for j in jobs if j.prompt_index == i] for i in range(6)]
+    assert orders[0] == modes and orders[1] == modes[::-1]
+    assert len({tuple(o) for o in orders}) == 6  # every order of three modes once in six prompts
+    assert [(j.index, j.prompt_index) for j in jobs] == [(i, i // 3) for i in range(18)]
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_every_mode_runs_at_every_position_and_before_every_other_equally(count: int) -> None:
+    modes = [f"m{i}" for i in range(count)] if count < 4 else ["speculative", "autoregressive", *(
+        f"peer:127.0.0.1:{8080 + i}" for i in range(count - 2))]
+    cycle = 2 * count if count % 2 else count
+    orders = [mode_order(modes, k) for k in range(cycle)]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    for position in range(count):
+        assert sorted(o[position] for o in orders) == sorted(modes * (cycle // count))
+    for a, b in itertools.permutations(modes, 2):
+        assert sum(o.index(a) < o.index(b) for o in orders) * 2 == cycle
+    assert mode_order([], 3) == []
 
 
 def test_poisson_offsets_are_seeded_and_have_the_rate() -> None:

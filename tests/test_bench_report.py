@@ -111,7 +111,10 @@ def test_peer_speedup_and_json_schema(tmp_path) -> None:
     write_json(report, path)
     data = json.loads(path.read_text())
     assert {"url", "model", "max_tokens", "speedup", "overall", "by_domain", "outputs_identical",
-            "speedup_by_domain", "peer", "speedup_vs_peer", "speedup_vs_peer_by_domain", "config"} <= data.keys()
+            "speedup_by_domain", "peer", "speedup_vs_peer", "speedup_vs_peer_by_domain", "config", "modes",
+            "speedup_auto", "speedup_auto_by_domain", "auto_served_modes", "auto_fallbacks", "peers"} <= data.keys()
+    assert data["modes"] == ["speculative", "autoregressive"] and data["peers"] == []
+    assert data["speedup_auto"] is None and data["auto_served_modes"] == {}
     assert set(data["overall"]) == {"speculative", "autoregressive"}
     for field in ("tokens_per_s", "ttft_p50_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "tpot_s",
                   "acceptance_rate", "mean_accepted_length", "itl_p90_over_p50_per_stream"):

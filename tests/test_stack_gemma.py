@@ -1,9 +1,10 @@
 """Whole stack on the real built-in default target, gemma-3-270m (loaded offline from its package).
 
-Greedy losslessness is checked token for token against transformers' own ``generate()``, with the
-``ngram`` draft, the ``eagle`` head shipped for the target and a model draft, including a prompt
-longer than Gemma 3's 512-token sliding window; the outside contract checker runs against the
-default ports.
+Greedy losslessness is checked token for token: with ``--dtype float32`` against transformers'
+own ``generate()``, and with the default (the target computes on the GGUF file's blocks) against
+the same server's autoregressive decoding (``speculation: off``), with the ``ngram`` draft, the
+``eagle`` head shipped for the target and a model draft, including a prompt longer than Gemma 3's
+512-token sliding window; the outside contract checker runs against the default ports.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def generate_ids(port: int, prompt_ids: list[int], max_tokens: int, speculation:
 
 def test_default_stack_ngram_is_lossless_and_meets_the_contract(gemma) -> None:
     tokenizer, greedy = gemma
-    with running_stack("gemma-3-270m", "ngram", k=5, default_ports=True, ready_timeout_s=600) as stack:
+    with running_stack("gemma-3-270m", "ngram", k=5, default_ports=True, ready_timeout_s=600,
+                       extra_args=("--dtype", "float32")) as stack:
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 32), (long_prompt(tokenizer), 24)):
             expected = greedy(prompt_ids, n)
             for mode in (common_pb2.SPECULATION_MODE_ON, common_pb2.SPECULATION_MODE_OFF):
@@ -74,14 +76,21 @@ def test_default_stack_ngram_is_lossless_and_meets_the_contract(gemma) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+def served_greedy(port: int, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The served target's own greedy decoding: the same server with speculation off."""
+    ids, usage = generate_ids(port, prompt_ids, max_tokens, common_pb2.SPECULATION_MODE_OFF)
+    assert usage.speculative_decoding.mode == "autoregressive"
+    return ids
+
+
 def test_model_draft_with_the_gemma_tokenizer_is_lossless(gemma, tmp_path) -> None:
-    tokenizer, greedy = gemma
+    tokenizer, _ = gemma
     draft_dir = make_tiny_model(tmp_path / "gemma-draft", seed=3, arch="gemma3", hidden_size=32, num_layers=2,
                                 sliding_window=512, tokenizer_from=resolve("gemma-3-270m").hf_dir)
     with running_stack("gemma-3-270m", str(draft_dir), k=3, ready_timeout_s=600) as stack:
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 16), (long_prompt(tokenizer), 12)):
             ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
-            assert ids == greedy(prompt_ids, n)
+            assert ids == served_greedy(stack.grpc_port, prompt_ids, n)
             assert usage.speculative_decoding.rounds > 0
 
 
@@ -90,12 +99,12 @@ def test_shipped_eagle_head_is_lossless(gemma, draft, proposer) -> None:
     """The eagle draft for the default target: it drafts from the target's hidden states, which the
     draft asks for per block (the gateway prefills without them); and the default pair, lookup and
     the head, whose greedy sessions send token trees."""
-    tokenizer, greedy = gemma
+    tokenizer, _ = gemma
     with running_stack("gemma-3-270m", draft, k=7 if draft == "auto" else 5, ready_timeout_s=600) as stack:
         with grpc.insecure_channel(f"127.0.0.1:{stack.draft_port}") as channel:
             info = draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
         assert (info.proposer, info.model_name) == (proposer, "eagle:gemma-3-270m")
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 32), (long_prompt(tokenizer), 16)):
             ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
-            assert ids == greedy(prompt_ids, n), len(prompt_ids)
+            assert ids == served_greedy(stack.grpc_port, prompt_ids, n), len(prompt_ids)
             assert usage.speculative_decoding.rounds > 0 and usage.speculative_decoding.draft_tokens > 0

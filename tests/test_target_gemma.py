@@ -1,6 +1,7 @@
 """The engine on the real default target, gemma-3-270m: greedy verification equals transformers'
-greedy generate() token for token, with a prompt and a generation that cross the model's
-512-token sliding window (KV rollback must stay correct past it)."""
+greedy generate() token for token (float32 weights), and the same engine's own autoregressive
+decoding (the default: computed on the GGUF file's blocks), with a prompt and a generation that
+cross the model's 512-token sliding window (KV rollback must stay correct past it)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,47 @@ def test_greedy_verify_equals_generate_across_the_sliding_window(gemma) -> None:
         accepted += verdict.num_accepted
     assert session.tokens[len(prompt) :] == reference
     assert accepted > NEW_TOKENS // 2  # the repeated code is predictable: most drafts were accepted
+
+
+@pytest.fixture(scope="module")
+def gemma_quantized(gemma_spec):
+    return load_model(gemma_spec, device="cpu", dtype="auto")
+
+
+@pytest.mark.slow
+def test_quantized_target_verification_equals_its_own_autoregressive_decoding(gemma_quantized) -> None:
+    """The default target computes on the GGUF file's blocks; speculation is lossless against it."""
+    engine = TargetEngine(gemma_quantized)
+    assert engine.info.dtype == "quantized:Q4_K,Q5_0,Q6_K,Q8_0"
+    prompt = gemma_quantized.tokenizer(TEXT * 8).input_ids[:500]
+    config = SessionConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.prefill("ar", prompt, config)
+    engine.generate("ar", NEW_TOKENS)
+    reference = engine.store.get("ar").tokens[len(prompt) :]
+    assert len(reference) == NEW_TOKENS
+
+    engine.prefill("s", prompt, config)
+    session = engine.store.get("s")
+    while not session.finished:
+        drafts = prompt_lookup(session.tokens, 5) or [0, 0]
+        assert engine.verify(DraftBlock("s", session.committed_len, tuple(drafts))).status == OK
+    assert session.tokens[len(prompt) :] == reference
+
+
+@pytest.mark.slow
+def test_quantized_logits_are_the_float32_checkpoints(gemma, gemma_quantized, monkeypatch) -> None:
+    """With float32 activations (the AVX2 build runs on every x86 host this suite runs on) the
+    blocks are the float32 dequantization bit for bit: teacher-forced logits over a code prompt
+    differ only by the order of summation, and pick the same tokens. The default kernel (int8
+    activations where the CPU has VNNI) stays near them."""
+    monkeypatch.setenv("TANDEM_QUANT_KERNEL", "avx2")
+    exact = load_model("gemma-3-270m", device="cpu", dtype="auto")
+    ids = torch.tensor([gemma.tokenizer(TEXT).input_ids])
+    with torch.inference_mode():
+        dense = gemma.model(ids).logits[0]  # [n, vocab]
+        float_activations = exact.model(ids).logits[0]
+        default = gemma_quantized.model(ids).logits[0]
+    torch.testing.assert_close(float_activations, dense, rtol=0, atol=2e-3)
+    assert torch.equal(float_activations.argmax(-1), dense.argmax(-1))
+    assert float((default - dense).norm() / dense.norm()) < 0.05  # perplexity: +0.3% (quant_quality.py)
+    assert float((default.argmax(-1) == dense.argmax(-1)).float().mean()) > 0.95

@@ -1,18 +1,20 @@
-"""``tandem bench`` flags and the run: stack phases (interleaved spec/AR), then the peer, then the report."""
+"""``tandem bench`` flags and the run: tandem's modes and the URL peers (interleaved), then the
+in-process peer, then the report."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Sequence
 
 import httpx
 
-from tandem.bench.client import AUTOREGRESSIVE, MODES, SPECULATIVE, RequestOptions, RequestResult, run_one, served_model
-from tandem.bench.load import interleaved_jobs, run_jobs
-from tandem.bench.prompts import Prompt, PromptFileError, load_prompts
-from tandem.bench.report import PeerReport, build_report, format_report, summarize_peer, write_json
+from tandem.bench.client import (
+    AUTOREGRESSIVE, SPECULATIVE, RequestOptions, parse_modes, parse_temperature, served_model,
+)
+from tandem.bench.peers import check_url, is_peer_mode, resolve_peers
+from tandem.bench.prompts import PromptFileError, load_prompts
+from tandem.bench.report import build_report, format_report, write_json
+from tandem.bench.run import peer_plan, run_http_phases, run_peer_phase
 from tandem.config import DEFAULT_DRAFT
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -49,21 +51,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="send the prompt set N times in each mode (and to the peer): steadier figures on a "
                            "noisy machine (default 1)")
     load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, same in every mode")
-    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    load.add_argument("--modes", default="on,off", metavar="LIST",
+                      help="tandem modes to run, comma-separated: on (speculative), off (autoregressive), auto "
+                           "(the gateway's default speculation: auto) (default on,off)")
+    load.add_argument("--temperature", default=0.0, metavar="T",
+                      help="sampling temperature (default 0: greedy); 'default' (or 'none'): send no temperature, "
+                           "the server's default applies")
     load.add_argument("--concurrency", type=int, default=None,
                       help="requests in flight at once (default 1; with --request-rate: no cap)")
     load.add_argument("--request-rate", type=float, default=0.0,
                       help="open loop: Poisson arrivals at R requests/s (default 0: closed loop)")
     load.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    load.add_argument("--warmup", type=int, default=1, help="requests per mode before measuring")
+    load.add_argument("--warmup", type=int, default=1, help="requests per mode (peers included) before measuring")
     load.add_argument("--stream-smoothing", choices=("off", "auto"), default=None,
                       help="the stream_smoothing field of each request (default: the gateway's setting)")
-    peer = parser.add_argument_group("peer (transformers assisted generation, in-process, after the stack phases)")
-    peer.add_argument("--peer", choices=("auto", "assisted", "none"), default="auto",
-                      help="auto (default): run it when --target-model is the served model and loads locally")
-    peer.add_argument("--peer-assistant", default=None, metavar="SPEC",
-                      help="HF draft with the target's tokenizer for generate(assistant_model=...); "
-                           "default: prompt lookup (prompt_lookup_num_tokens=K)")
+    peers = parser.add_argument_group(
+        "peers", "other OpenAI-compatible servers (--peer-url), interleaved with tandem's modes; then transformers' "
+        "assisted generation (--peer), in-process, alone on the machine")
+    peers.add_argument("--peer-url", action="append", default=None, metavar="URL",
+                       help="an OpenAI-compatible server (llama-server, vLLM, ollama, another tandem) sent the same "
+                            "prompts with standard fields only, reported as mode peer:HOST:PORT; repeatable")
+    peers.add_argument("--peer", choices=("auto", "assisted", "none"), default="auto",
+                       help="transformers' assisted generation; auto (default): run it when --target-model is the "
+                            "served model and loads locally")
+    peers.add_argument("--peer-assistant", default=None, metavar="SPEC",
+                       help="HF draft with the target's tokenizer for generate(assistant_model=...); "
+                            "default: prompt lookup (prompt_lookup_num_tokens=K)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", dest="json_path", default=None, help="write the report as JSON here")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="draw tokens/s by domain and the ITL CDF")
@@ -71,7 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """Refuses bad flags with one ``tandem bench: ...`` message; parses --modes and --temperature in place."""
     problems = []
+    try:
+        args.modes = parse_modes(args.modes) if isinstance(args.modes, str) else tuple(args.modes)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:
+        args.temperature = parse_temperature(args.temperature)
+    except ValueError as exc:
+        problems.append(str(exc))
+    args.peer_url = list(args.peer_url or [])
+    problems += [p for p in map(check_url, args.peer_url) if p]
     if args.max_tokens < 1:
         problems.append(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     if args.repeats < 1:
@@ -92,12 +116,6 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit("tandem bench: " + "; ".join(problems))
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
-
-
 def _gateway_answers(url: str) -> bool:
     try:
         return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
@@ -105,62 +123,40 @@ def _gateway_answers(url: str) -> bool:
         return False
 
 
-def run_stack_phases(
-    url: str, prompts: Sequence[Prompt], options: RequestOptions, args: argparse.Namespace, progress: bool
-) -> tuple[list[RequestResult], float]:
-    """Warm-up, then every prompt in both modes (interleaved); returns the results and the wall time."""
-    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-        warm = RequestOptions(options.model, min(8, options.max_tokens), options.temperature,
-                              options.stream_smoothing, options.num_speculative_tokens)
-        for mode in MODES:
-            for prompt in prompts[: args.warmup]:
-                run_one(client, url, prompt, mode, warm)
-        jobs = interleaved_jobs(prompts)
-        bar = _progress(len(jobs), "bench spec/AR", progress)
-        started = time.perf_counter()
-        try:
-            results = run_jobs(
-                jobs, lambda job: run_one(client, url, job.prompt, job.mode, options, job.prompt_index),
-                concurrency=args.concurrency, request_rate=args.request_rate, seed=args.seed,
-                on_done=lambda _result: bar.update(1),
-            )
-        finally:
-            bar.close()
-        return results, time.perf_counter() - started
+def _start_stack(args: argparse.Namespace, k: int):
+    from tandem.bench.stack import OwnStack, StackError
+    from tandem.models import resolve_draft_spec
 
-
-def _peer_plan(args: argparse.Namespace, model_id: str, own_stack: bool) -> str | None:
-    """Why the peer is skipped, or None to run it."""
-    from tandem import models
-
-    if args.peer == "none":
-        return "--peer none"
-    if args.temperature > 0:
-        return "the peer is greedy only (--temperature > 0)"
-    if args.peer == "auto":
-        if not own_stack and model_id != models.default_served_name(args.target_model):
-            return (f"the gateway serves {model_id!r}, not --target-model {args.target_model!r} "
-                    "(pass --target-model, or --peer assisted to force it)")
-        try:
-            models.resolve(args.target_model)
-        except (models.ModelSpecError, OSError, ImportError) as exc:
-            return f"the target is not available locally ({exc})"
-    return None
-
-
-def run_peer_phase(
-    args: argparse.Namespace, prompts: Sequence[Prompt], k: int, stack_results: Sequence[RequestResult], progress: bool
-) -> tuple[PeerReport, list[RequestResult]]:
-    from tandem.bench.peer import run_peer
-
-    bar = _progress(len(prompts), "bench peer", progress)
+    args.draft_model = resolve_draft_spec(args.draft_model, args.target_model)
+    own = OwnStack(args.target_model, args.draft_model, k, args.device, args.dtype)
+    print(f"tandem bench: starting tandem serve ({args.target_model} + {args.draft_model}, K={k}) "
+          "on free ports ...", file=sys.stderr)
     try:
-        run = run_peer(args.target_model, args.peer_assistant, prompts, args.max_tokens, k, args.device, args.dtype,
-                       warmup=args.warmup, on_done=lambda _result: bar.update(1))
-    finally:
-        bar.close()
-    report = summarize_peer(run.results, stack_results, run.assistant, args.target_model, k, run.device, run.dtype)
-    return report, run.results
+        own.start()
+    except StackError as exc:
+        raise SystemExit(f"tandem bench: {exc}") from exc
+    return own
+
+
+def _config(args: argparse.Namespace, num_prompts: int, k: int, own_stack: bool, skip: str | None, peers) -> dict:
+    return {
+        "prompts": args.prompts or "built-in (bench/prompts.jsonl)",
+        "num_prompts": num_prompts,
+        "repeats": args.repeats,
+        "concurrency": args.concurrency or (None if args.request_rate > 0 else 1),
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "temperature": "default" if args.temperature is None else args.temperature,
+        "stream_smoothing": args.stream_smoothing,
+        "num_speculative_tokens": k if own_stack else args.num_speculative_tokens,
+        "stack": "started" if own_stack else "external",
+        "target_model": args.target_model,
+        "draft_model": args.draft_model if own_stack else None,
+        "peer_skipped": skip,
+        "modes": list(args.modes),
+        "peers": [peer.config() for peer in peers],
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -169,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
         distinct = load_prompts(args.prompts, args.limit)
     except PromptFileError as exc:
         raise SystemExit(f"tandem bench: {exc}") from exc
-    prompts = list(distinct) * args.repeats  # each pass over the set in turn, both modes interleaved
+    prompts = list(distinct) * args.repeats  # each pass over the set in turn, every mode interleaved
     progress = not args.no_progress and sys.stderr.isatty()
     from tandem.config import DEFAULT_K
 
@@ -180,31 +176,22 @@ def main(args: argparse.Namespace) -> int:
         url = DEFAULT_URL
         print(f"tandem bench: using the gateway at {url} (pass --start-stack for a stack of its own)", file=sys.stderr)
     if url is None:
-        from tandem.bench.stack import OwnStack, StackError
-        from tandem.models import resolve_draft_spec
-
-        args.draft_model = resolve_draft_spec(args.draft_model, args.target_model)
-        own = OwnStack(args.target_model, args.draft_model, k, args.device, args.dtype)
-        print(f"tandem bench: starting tandem serve ({args.target_model} + {args.draft_model}, K={k}) "
-              "on free ports ...", file=sys.stderr)
-        try:
-            own.start()
-        except StackError as exc:
-            raise SystemExit(f"tandem bench: {exc}") from exc
+        own = _start_stack(args, k)
         url = own.url
     try:
         with httpx.Client(timeout=10.0) as client:
             model_id = args.model or served_model(client, url)
+            peers = resolve_peers(client, args.peer_url, model_id)
         options = RequestOptions(model_id, args.max_tokens, args.temperature, args.stream_smoothing,
                                  args.num_speculative_tokens if own is None else None)
-        results, duration = run_stack_phases(url, prompts, options, args, progress)
+        results, duration = run_http_phases(url, peers, prompts, options, args.modes, args, progress)
     except (httpx.HTTPError, RuntimeError) as exc:
         raise SystemExit(f"tandem bench: the gateway at {url} failed: {exc}") from exc
     finally:
         if own is not None:
             own.stop()
     peer_report, peer_results, status = None, [], 0
-    skip = _peer_plan(args, model_id, own is not None)
+    skip = peer_plan(args, model_id, own is not None)
     if skip is None:
         from tandem.bench.peer import PeerError
 
@@ -215,23 +202,9 @@ def main(args: argparse.Namespace) -> int:
             status = 1 if args.peer == "assisted" else 0
     elif args.peer != "none":
         print(f"tandem bench: peer skipped: {skip}", file=sys.stderr)
-    config = {
-        "prompts": args.prompts or "built-in (bench/prompts.jsonl)",
-        "num_prompts": len(distinct),
-        "repeats": args.repeats,
-        "concurrency": args.concurrency or (None if args.request_rate > 0 else 1),
-        "request_rate": args.request_rate,
-        "seed": args.seed,
-        "warmup": args.warmup,
-        "temperature": args.temperature,
-        "stream_smoothing": args.stream_smoothing,
-        "num_speculative_tokens": k if own is not None else args.num_speculative_tokens,
-        "stack": "started" if own is not None else "external",
-        "target_model": args.target_model,
-        "draft_model": args.draft_model if own is not None else None,
-        "peer_skipped": skip,
-    }
-    report = build_report(url, model_id, args.max_tokens, results, peer_report, duration, config)
+    report = build_report(url, model_id, args.max_tokens, results, peer_report, duration,
+                          _config(args, len(distinct), k, own is not None, skip, peers),
+                          modes=args.modes, url_peers=peers, greedy=args.temperature == 0)
     print(format_report(report))
     if args.json_path:
         write_json(report, args.json_path)
@@ -239,8 +212,11 @@ def main(args: argparse.Namespace) -> int:
         from tandem.bench.plot import write_plot
 
         write_plot(report, [*results, *peer_results], args.plot)
-    failed = sum(1 for r in results if r.error)
-    if failed == len(results):
+    for peer in report.peers:
+        if peer.failed and peer.failed == len(prompts):
+            print(f"tandem bench: every request to {peer.mode} ({peer.url}) failed", file=sys.stderr)
+    tandem = [r for r in results if not is_peer_mode(r.mode)]
+    if all(r.error for r in tandem):
         print("tandem bench: every request failed", file=sys.stderr)
         return 1
     return status

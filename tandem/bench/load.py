@@ -1,8 +1,8 @@
 """Load generation: which requests go out, in what order, and when.
 
-Both modes of a prompt are queued next to each other and their order alternates from prompt to
-prompt (spec, AR, AR, spec, ...), so neither mode systematically runs first on a warm cache or on a
-quieter machine. Two ways to pace them:
+Every mode of a prompt (tandem's, and each URL peer's) is queued next to the others, and their
+order changes from prompt to prompt (see ``interleaved_jobs``), so no mode systematically runs first
+on a warm cache or on a quieter machine. Two ways to pace them:
 
 - closed loop (default): ``concurrency`` requests in flight; the next one leaves when one finishes.
 - open loop (``request_rate`` > 0): arrivals form a Poisson process of that rate (exponential gaps,
@@ -34,12 +34,27 @@ class Job:
     mode: str
 
 
+def mode_order(modes: Sequence[str], prompt_index: int) -> list[str]:
+    """The order of the modes for one prompt: prompt 2j gets them rotated left by 2j, prompt 2j+1
+    the reverse of that.
+
+    So every pair of modes runs in each order equally often (each pair of prompts), and every mode
+    runs at every position equally often: over N prompts for N modes when N is even, 2N when odd.
+    With two modes this is plain alternation (A B, B A, A B, ...).
+    """
+    if not modes:
+        return []
+    shift = (prompt_index - prompt_index % 2) % len(modes)
+    order = [*modes[shift:], *modes[:shift]]
+    return order[::-1] if prompt_index % 2 else order
+
+
 def interleaved_jobs(prompts: Sequence[Prompt], modes: Sequence[str] = MODES) -> list[Job]:
-    """Every prompt once per mode, the mode order reversed on every other prompt."""
+    """Every prompt once per mode, the modes of a prompt next to each other in ``mode_order``."""
+    modes = list(modes)
     jobs: list[Job] = []
     for prompt_index, prompt in enumerate(prompts):
-        order = list(modes) if prompt_index % 2 == 0 else list(modes)[::-1]
-        for mode in order:
+        for mode in mode_order(modes, prompt_index):
             jobs.append(Job(len(jobs), prompt_index, prompt, mode))
     return jobs
 

@@ -111,7 +111,8 @@ def summarize(results: Sequence[RequestResult]) -> ModeSummary:
 
 
 def ratio(numerator: ModeSummary | None, denominator: ModeSummary | None) -> float | None:
-    """tokens/s of one mode over another's; None when either is missing or has no throughput."""
-    if numerator is None or denominator is None or not denominator.tokens_per_s:
+    """tokens/s of one mode over another's; None when either is missing, the numerator answered no
+    request or the denominator has no throughput."""
+    if numerator is None or denominator is None or not numerator.requests or not denominator.tokens_per_s:
         return None
     return numerator.tokens_per_s / denominator.tokens_per_s

@@ -1,0 +1,105 @@
+"""``nn.Linear`` and ``nn.Embedding`` stand-ins that keep their weight quantized.
+
+A model's linear layers and embedding are replaced module for module (``tandem.quant.checkpoint``),
+so transformers' own forward runs unchanged; only the products read the low-bit blocks. Inputs are
+computed in float32 (the kernel's accumulation type) and cast back to their own dtype.
+
+Invariant: a row's output depends only on that row, not on the rows beside it in the call (the
+kernels fix each output's order of operations; with the float32 kernel, calls of more than
+``DENSE_ROWS`` rows, a long prompt chunk, go through a float32 GEMM of the dequantized weight
+instead, where the arithmetic intensity pays for the dequantization). So a verification pass
+scores a position with exactly the logits an autoregressive step gives it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.quant.native import QuantKernel
+from tandem.quant.reference import dequantize
+from tandem.quant.tensor import QuantizedTensor
+
+DENSE_ROWS = 64  # float32 kernel: calls with more rows dequantize the weight and run a float32 GEMM
+
+
+def _buffers(module: nn.Module, weight: QuantizedTensor) -> None:
+    module.register_buffer("packed", weight.packed, persistent=False)
+    module.register_buffer("scale", weight.scale, persistent=False)
+    module.register_buffer("mins", weight.mins, persistent=False)
+
+
+def _weight(module: nn.Module) -> QuantizedTensor:
+    return QuantizedTensor(module.packed, module.scale, module.mins, module.group, module.bits, module.zero,
+                           module.source, module.layout)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` a :class:`QuantizedTensor` [out, in]."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, kernel: QuantKernel) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        weight = kernel.prepare(weight)
+        self.group, self.bits, self.zero, self.source = weight.group, weight.bits, weight.zero, weight.source
+        self.layout = weight.layout
+        _buffers(self, weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.kernel = kernel
+
+    @property
+    def quantized(self) -> QuantizedTensor:
+        return _weight(self)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight (dequantized on each access: for checks and tools, not for decoding)."""
+        return dequantize(self.quantized)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # [m, in]
+        if rows.shape[0] > DENSE_ROWS and self.kernel.activations == "float32":
+            out = rows @ dequantize(self.quantized).T  # [m, out]
+        else:
+            out = self.kernel.matmul(rows, self.quantized)  # [m, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {self.source} as {self.bits}-bit {self.layout}, "
+                f"kernel={self.kernel.isa}")
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding lookup that dequantizes only the rows it is asked for, times ``scale`` (Gemma
+    multiplies its embeddings by sqrt(hidden size); 1 elsewhere)."""
+
+    def __init__(self, weight: QuantizedTensor, scale: torch.Tensor | float = 1.0, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.group, self.bits, self.zero, self.source = weight.group, weight.bits, weight.zero, weight.source
+        self.layout = weight.layout
+        self.padding_idx = padding_idx
+        _buffers(self, weight)
+        self.register_buffer("embed_scale", torch.as_tensor(scale, dtype=torch.float32), persistent=False)
+
+    @property
+    def quantized(self) -> QuantizedTensor:
+        return _weight(self)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.quantized)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)  # [n]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = dequantize(self.quantized.rows(flat))  # [n, dim]
+        return (rows * self.embed_scale).reshape(*input_ids.shape, self.embedding_dim)
+
+
+def int8_activations(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` quantizes its activations (the int8 kernel)."""
+    return any(isinstance(m, QuantLinear) and m.kernel.activations == "int8" for m in model.modules())

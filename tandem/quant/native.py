@@ -1,0 +1,201 @@
+"""The quantized product's native kernels: which build this host runs, and the build.
+
+Two kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
+(``$TANDEM_CACHE_DIR/kernels``, one folder per build, source and torch version; about 20 s once,
+then a load):
+
+* ``avx512vnni`` (``qmatmul_vnni.cpp``): activations quantized to int8 per group, integer products
+  by vpdpbusd, weights in the ``TILES`` layout. A pass costs about the same for one to eight rows.
+* ``avx512`` / ``avx2`` (``qmatmul.cpp``): float32 activations times the exactly dequantized weight;
+  a pass of eight rows costs about twice one of a single row.
+
+Which one is a probe at start-up: ``avx512vnni`` where PyTorch's CPU capability
+(``torch.backends.cpu.get_cpu_capability()``, which honours ``ATEN_CPU_CAPABILITY``) is AVX-512 and
+the CPU has VNNI, else the capability's float32 build; ``TANDEM_QUANT_KERNEL`` (``auto`` |
+``avx512vnni`` | ``avx512`` | ``avx2`` | ``none``) overrides it. A build is used only after it
+matches its PyTorch reference on a check; where there is none (no compiler, an older CPU, a failed
+check) the caller keeps float32 weights instead, and the log says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.quant import reference
+from tandem.quant.tensor import ROWS, TILE, TILES, QuantizedTensor, pack, to_tiles
+
+log = logging.getLogger(__name__)
+
+SOURCES = {"float32": Path(__file__).with_name("qmatmul.cpp"), "int8": Path(__file__).with_name("qmatmul_vnni.cpp")}
+ENV = "TANDEM_QUANT_KERNEL"
+ISA_FLAGS = {
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+INT8_ISAS = ("avx512vnni",)  # builds of qmatmul_vnni.cpp (int8 activations, TILES layout)
+# PyTorch stand-ins of each kind, for tests: QuantKernel("reference") and QuantKernel("reference-int8").
+REFERENCES = {"reference": "float32", "reference-int8": "int8"}
+CPU_FLAGS_NEEDED = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
+# torch.backends.cpu.get_cpu_capability() -> the build that runs on it ("DEFAULT", "VSX", ...: none).
+CAPABILITY_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
+MAX_ROWS = 8  # rows the kernel multiplies per pass over a weight (MAX_ROWS in qmatmul.cpp)
+
+
+class KernelUnavailable(RuntimeError):
+    """No native build for this host (the message says why)."""
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """One loaded build of the kernel, or the PyTorch reference (``isa`` "reference")."""
+
+    isa: str
+
+    @property
+    def activations(self) -> str:
+        """What activations are computed in: "int8" (per group, as llama.cpp) or "float32"."""
+        return "int8" if self.isa in INT8_ISAS else REFERENCES.get(self.isa, "float32")
+
+    def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
+        """``weight`` in the layout this kernel reads (TILES for the int8 kernel, where the rows tile)."""
+        if self.activations == "int8" and weight.layout == ROWS and weight.shape[0] % TILE == 0:
+            return to_tiles(weight)
+        return weight
+
+    def matmul(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+        """x [rows, in] float32 contiguous -> [rows, out] float32, ``weight`` as :meth:`prepare` left it."""
+        out_features = weight.shape[0]
+        if self.activations == "int8":
+            if weight.layout != TILES or self.isa in REFERENCES:  # rows that do not tile: the same, in PyTorch
+                return reference.qmatmul_int8_activations(x, weight)
+            return _ops(self.isa).qmatmul_tiles(x, weight.packed, weight.scale, weight.mins, weight.group,
+                                                weight.bits, weight.zero, out_features)
+        if self.isa == "reference":
+            return reference.qmatmul(x, weight.packed, weight.scale, weight.mins, weight.group, weight.bits,
+                                     weight.zero, out_features)
+        return _ops(self.isa).qmatmul(x, weight.packed, weight.scale, weight.mins, weight.group, weight.bits,
+                                      weight.zero, out_features)
+
+
+def probe() -> tuple[str | None, str]:
+    """(the build this host should run or None, why), from ``TANDEM_QUANT_KERNEL`` or the CPU."""
+    wanted = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if wanted == "none":
+        return None, f"{ENV}=none"
+    if wanted in ISA_FLAGS:
+        return wanted, f"{ENV}={wanted}"
+    if wanted != "auto":
+        raise ValueError(f"{ENV} must be auto, avx512vnni, avx512, avx2 or none, got {wanted!r}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = CAPABILITY_ISA.get(capability)
+    if isa == "avx512" and CPU_FLAGS_NEEDED["avx512vnni"] <= cpu_flags():
+        return "avx512vnni", f"CPU capability {capability} with VNNI"
+    return isa, f"CPU capability {capability}"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+_LOADED: dict[str, QuantKernel] = {}
+
+
+def load_kernel(isa: str | None = None) -> QuantKernel:
+    """The native kernel for ``isa`` (default: the probe's choice), built if needed and checked
+    against the reference. Raises :class:`KernelUnavailable` with the reason where there is none."""
+    reason = f"asked for {isa}"
+    if isa is None:
+        isa, reason = probe()
+        if isa is None:
+            raise KernelUnavailable(f"no native quantized kernel for this host ({reason})")
+    if isa in _LOADED:
+        return _LOADED[isa]
+    started = time.perf_counter()
+    try:
+        built = _build(isa)
+    except Exception as error:  # no compiler, no ninja, a compile error: say so and let the caller fall back
+        raise KernelUnavailable(f"the {isa} build of the quantized kernel failed: {str(error)[-400:]}") from error
+    kernel = QuantKernel(isa)
+    mismatch = _self_check(kernel)
+    if mismatch:
+        raise KernelUnavailable(f"the {isa} build of the quantized kernel disagrees with its reference: {mismatch}")
+    _LOADED[isa] = kernel
+    log.info("quantized CPU kernel: %s (%s; %s in %.1fs)", isa, reason, built, time.perf_counter() - started)
+    return kernel
+
+
+def _library(isa: str) -> str:
+    return f"tandem_quant_{isa}"
+
+
+def _ops(isa: str):
+    return getattr(torch.ops, _library(isa))
+
+
+def _build(isa: str) -> str:
+    """Compiles (or finds) the ``isa`` build and loads it into torch.ops; returns what it did."""
+    from torch.utils import cpp_extension
+
+    from tandem.models import cache_dir
+
+    flags = ["-O3", "-fopenmp", f"-DTANDEM_QUANT_LIBRARY={_library(isa)}", *ISA_FLAGS[isa]]
+    source = SOURCES["int8" if isa in INT8_ISAS else "float32"]
+    digest = hashlib.sha256(source.read_bytes() + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:12]
+    folder = cache_dir() / "kernels" / f"qmatmul-{isa}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    cached = any(folder.glob("*.so"))
+    cpp_extension.load(
+        name=f"{_library(isa)}_{digest}",
+        sources=[str(source)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=False,
+    )
+    return "loaded" if cached else "built"
+
+
+def _self_check(kernel: QuantKernel) -> str:
+    """'' when the kernel matches the reference on every layout, row count and tile tail; else what differed."""
+    generator = torch.Generator().manual_seed(0)
+    int8 = kernel.activations == "int8"
+    cases = [(8, 32, 0, torch.float16, False), (8, 16, 0, torch.float32, False), (4, 32, 8, torch.float16, False),
+             (4, 32, 0, torch.float32, True), (5, 32, 16, torch.float16, False), (5, 32, 0, torch.float32, True)]
+    for bits, group, zero, scale_dtype, with_mins in cases:
+        out, width = (48, 128) if int8 else (37, 128)  # an odd number of rows: the float32 tiles' tails
+        low, high = (-128, 128) if bits == 8 else (0, 2**bits)
+        values = torch.randint(low, high, (out, width), generator=generator).numpy()
+        weight = QuantizedTensor(
+            torch.from_numpy(pack(values, bits)),
+            (torch.rand(out, width // group, generator=generator) * 0.1).to(scale_dtype),
+            torch.rand(out, width // group, generator=generator) if with_mins else None,
+            group, bits, zero, "check",
+        )
+        weight_in_layout = kernel.prepare(weight)
+        for rows in (1, 5, MAX_ROWS + 3):
+            x = torch.randn(rows, width, generator=generator)
+            got = kernel.matmul(x, weight_in_layout)
+            if int8:
+                want = reference.qmatmul_int8_activations(x, weight)
+            else:
+                want = reference.qmatmul(x, weight.packed, weight.scale, weight.mins, group, bits, zero, out)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                return f"bits {bits}, group {group}, {rows} rows: max difference {float((got - want).abs().max()):.3g}"
+            if not torch.equal(kernel.matmul(x[-1:].contiguous(), weight_in_layout)[0], got[-1]):
+                return f"bits {bits}, {rows} rows: a row's result depends on the rows beside it"
+    return ""

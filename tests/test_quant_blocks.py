@@ -1,0 +1,62 @@
+"""GGUF block types as integers and group scales (tandem.quant.gguf_blocks, tandem.quant.tensor)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.quant.gguf_blocks import READERS, to_quantized
+from tandem.quant.reference import dequantize
+from tandem.quant.tensor import pack, row_bytes, unpack
+from tiny import _random_k_blocks
+
+NUMPY_QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these itself
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_pack_and_unpack_are_inverse(bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    low, high = (-128, 128) if bits == 8 else (0, 2**bits)
+    values = rng.integers(low, high, (7, 96))
+    packed = pack(values, bits)
+    assert packed.shape == (7, row_bytes(96, bits)) and packed.dtype == np.uint8
+    assert torch.equal(unpack(torch.from_numpy(packed), bits, 96), torch.from_numpy(values).to(torch.int32))
+
+
+@pytest.mark.parametrize("type_name", NUMPY_QUANTIZED + K_TYPES)
+def test_blocks_dequantize_to_gguf_values_bit_for_bit(type_name: str) -> None:
+    """The repacked integers and scales give gguf-py's own float32 dequantization exactly."""
+    rng = np.random.default_rng(0)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rows, width = 6, 512
+    if type_name in K_TYPES:
+        raw = _random_k_blocks(rng, rows, width, type_name)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, width)).astype(np.float32), qtype)
+    weight = to_quantized(raw, type_name, (rows, width), check=True)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(rows, width)
+    assert torch.equal(dequantize(weight), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert weight.shape == (rows, width) and weight.source == type_name
+    # Bytes a product reads: about the block type's own (Q6_K is read as a byte per weight, 1.5x).
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    assert weight.nbytes <= rows * width // elems * nbytes * (1.55 if type_name == "Q6_K" else 1.35)
+
+
+def test_every_reader_is_tested() -> None:
+    assert sorted(READERS) == sorted(NUMPY_QUANTIZED + K_TYPES)
+
+
+def test_a_tensor_of_the_wrong_size_is_refused() -> None:
+    raw = gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match="does not hold"):
+        to_quantized(raw, "Q8_0", (3, 64))
+
+
+def test_rows_select_output_rows() -> None:
+    raw = gguf.quants.quantize(np.arange(4 * 64, dtype=np.float32).reshape(4, 64) / 100, gguf.GGMLQuantizationType.Q5_1)
+    weight = to_quantized(raw, "Q5_1", (4, 64))
+    index = torch.tensor([3, 1])
+    assert torch.equal(dequantize(weight.rows(index)), dequantize(weight)[index])
