@@ -80,3 +80,46 @@ def tiny_gguf_gemma(tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("tiny-gguf-gemma")
     hf_dir = make_tiny_model(folder / "hf", seed=3, arch="gemma3", num_layers=3, sliding_window=8, hidden_size=256)
     return hf_dir, make_tiny_gguf(hf_dir, folder / "tiny-gemma.gguf")
+
+
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN on this host packs a bfloat16 weight (AVX-512 hosts do; AVX2-only ones do not)."""
+    from tandem.cpu_linear import pack_weight
+
+    return pack_weight(torch_randn_bf16()) is not None
+
+
+def torch_randn_bf16():
+    import torch
+
+    return torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+@pytest.fixture
+def bf16_screen_packs(monkeypatch) -> bool:
+    """Forces the probe's answer "oneDNN packs the bfloat16 screen" where this host says no: the
+    screen's packed products become plain ones (``F.linear`` over the same bfloat16 copy), so the
+    screen's planning and exactness are tested on every host. Returns whether the host packs itself."""
+    import torch.nn.functional as F
+
+    if onednn_packs_bfloat16():
+        return True
+    from tandem import screened_head
+
+    def pack(weight):
+        return weight.detach().clone() if weight.dtype == torch_randn_bf16().dtype else None
+
+    def product(x, packed, bias=None):
+        return F.linear(x, packed, bias)
+
+    def padded(x, packed, bias=None):
+        import torch
+
+        rows = x.reshape(-1, x.shape[-1])
+        pad = torch.cat([rows, rows.new_zeros(max(0, 4 - rows.shape[0]), rows.shape[1])])
+        return F.linear(pad, packed, bias)[: rows.shape[0]].reshape(*x.shape[:-1], packed.shape[0])
+
+    monkeypatch.setattr(screened_head, "pack_weight", pack)
+    monkeypatch.setattr(screened_head, "packed_linear", product)
+    monkeypatch.setattr(screened_head, "padded_linear", padded)
+    return False

@@ -117,21 +117,23 @@ def test_a_noisy_sweep_does_not_decide(model: TinyLM) -> None:
     assert tune_row_plans(model, measure, min_bytes=0) == {}
 
 
-def test_the_screen_is_padded_where_its_padded_product_is_clearly_faster() -> None:
+def test_the_screen_is_padded_where_its_padded_product_is_clearly_faster(bf16_screen_packs) -> None:
     screen = ScreenedArgmax(torch.randn(1000, 48))
     costs = {(PACKED, 1): 1.0, (PAD, 1): MARGIN + 0.02, (PACKED, 2): 1.2, (PAD, 2): 0.8}
     assert tune_screen_rows(screen, TinyLM(), lambda plan, rows: costs[(plan, rows)]) == {2: PAD}
     assert screen.row_plan == {2: PAD}
 
 
-def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch) -> None:
+def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch, bf16_screen_packs) -> None:
     """Real timings on this host (whatever wins), then both products: the same exact argmax."""
     weight = torch.randn(3000, 48, generator=torch.Generator().manual_seed(5))  # [vocab, hidden]
     screen = ScreenedArgmax(weight)
     chosen = tune_screen_rows(screen, model)
     assert set(chosen) <= {1, 2} and set(chosen.values()) <= {PAD}
     calls = []
-    original = cpu_linear.padded_linear
+    import tandem.screened_head
+
+    original = tandem.screened_head.padded_linear  # oneDNN's, or the stand-in where this host cannot pack
     monkeypatch.setattr("tandem.screened_head.padded_linear", lambda *a: calls.append(1) or original(*a))
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(6))  # [rows, hidden]
     for rows in (1, 2):
@@ -143,7 +145,7 @@ def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch) -> No
     assert len(calls) == 2
 
 
-def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch) -> None:
+def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch, bf16_screen_packs) -> None:
     """A model whose sweeps take long (each streams gigabytes) gets MIN_SWEEPS of them, not SWEEPS."""
     from tandem import row_plans
 
@@ -155,3 +157,11 @@ def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch) -> None:
     calls.clear()
     tune_screen_rows(ScreenedArgmax(torch.randn(500, 48)), model, lambda plan, rows: calls.append((plan, rows)) or 1.0)
     assert len(calls) == 2 * 2 * (row_plans.SWEEPS + 1)
+
+
+def test_an_unpacked_screen_is_not_timed(monkeypatch) -> None:
+    """The other side of the probe: where oneDNN cannot pack the bfloat16 copy, no plans."""
+    monkeypatch.setattr("tandem.screened_head.pack_weight", lambda weight: None)
+    screen = ScreenedArgmax(torch.randn(500, 48))
+    assert not screen.packed
+    assert tune_screen_rows(screen, TinyLM(), lambda plan, rows: 1.0) == {} and screen.row_plan == {}

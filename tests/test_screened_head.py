@@ -83,7 +83,7 @@ def test_no_rows_give_no_tokens_and_other_dtypes_are_rounded_to_float32_first() 
         ScreenedArgmax(weight.double())
 
 
-def test_a_model_gets_a_screen_only_where_it_pays_and_is_exact(tiny_gemma_dir) -> None:
+def test_a_model_gets_a_screen_only_where_it_pays_and_is_exact(tiny_gemma_dir, bf16_screen_packs) -> None:
     """A float32 CPU head at or past the size threshold; not a small one, not on CUDA, not with
     final logit soft-capping (tanh can round two logits to one float)."""
     loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
@@ -100,3 +100,17 @@ def test_a_model_gets_a_screen_only_where_it_pays_and_is_exact(tiny_gemma_dir) -
         assert screened_argmax_for(model, "cpu", min_bytes=0) is None
     finally:
         text_config.final_logit_softcapping = before
+
+
+def test_where_onednn_cannot_pack_the_screen_greedy_tokens_read_the_float32_head(tiny_gemma_dir, monkeypatch,
+                                                                                    caplog) -> None:
+    """The other side of the probe (an AVX2-only host): no screen, and the log says why."""
+    import logging
+
+    import tandem.screened_head
+
+    monkeypatch.setattr(tandem.screened_head, "pack_weight", lambda weight: None)
+    loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
+    with caplog.at_level(logging.INFO, logger="tandem.screened_head"):
+        assert screened_argmax_for(loaded.model, "cpu", min_bytes=0) is None
+    assert "oneDNN cannot pack its bfloat16 copy here" in caplog.text
