@@ -6,7 +6,8 @@
 Engines: the float32 dequantization (``--dtype float32``: oneDNN products, the screened LM head)
 and the GGUF file's own blocks through each quantized kernel this host runs (``TANDEM_QUANT_KERNEL``).
 For each engine and row count: the median time of ``TargetEngine.verify`` of a block of rows - 1
-drafts after ``--context`` tokens (one row is a decode step; "tree" is a five-node token tree), all
+drafts after ``--context`` tokens of the bench prompts' text (one row is a decode step; "tree" is a
+five-node token tree), all
 engines interleaved in one process so the host's drift hits them alike; the cache is cut back after
 every pass. Verification pays when a pass of k + 1 rows costs little more than one of a single row.
 """
@@ -49,6 +50,12 @@ def timed(engine: TargetEngine, rows: int | str) -> float:
     return seconds
 
 
+def load_model_tokenizer(spec: str):
+    from tandem.models import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
 def kernels_here() -> list[str]:
     found = []
     for isa in ("avx512vnni", "avx512", "avx2"):
@@ -77,7 +84,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for isa in args.kernels if args.kernels is not None else kernels_here():
         os.environ["TANDEM_QUANT_KERNEL"] = isa
         engines[f"quantized {isa}"] = TargetEngine(load_model(args.model, device="cpu", dtype="auto"))
-    prompt = [(7 * i + 11) % 5000 + 100 for i in range(args.context)]
+    # Real text (the bench's prompts, end to end): on a synthetic token sequence the hidden states are
+    # nearly uniform and the float32 engine's screened head rescores thousands of candidates.
+    from tandem.bench.prompts import load_prompts
+
+    text = "".join(p.prompt for p in load_prompts(None, 0))
+    ids = load_model_tokenizer(args.model)(text).input_ids
+    prompt = (ids * (args.context // len(ids) + 1))[: args.context]
     for engine in engines.values():
         engine.prefill(SESSION, prompt, SessionConfig(max_new_tokens=30000, ignore_eos=True))
     rows = [r if r == "tree" else int(r) for r in args.rows]

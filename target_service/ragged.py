@@ -224,11 +224,34 @@ def _ragged_attention(inner: str) -> Callable:
 def _rows_alone(query, keys, values, window, tree, kwargs) -> torch.Tensor:
     """Each row of ``query`` [1, heads, n, head_dim] attended alone over its visible keys of
     ``keys``/``values`` [1, kv_heads, cached + n, head_dim]: the cache, then the new rows up to
-    itself (its path in a tree), the last ``window`` of them; by :func:`_attend_one`, the same
-    computation a one-token step at that position makes."""
+    itself (its path in a tree), the last ``window`` of them; the same computation a one-token
+    step at that position makes (the native ``row_attention`` where it is built, else
+    :func:`_attend_one` per row)."""
     size = query.shape[2]
     cached = keys.shape[2] - size
     paths = _paths(tree, size)
+    native = _native_attention()
+    if native is not None and query.dtype == torch.float32 and query.shape[-1] % 16 == 0:
+        lo, hi, extra, count = [], [], [], []
+        for row in range(size):
+            contiguous = tree is None or paths[row] == list(range(row + 1))
+            path = [] if contiguous else [cached + node for node in paths[row]]
+            end = cached + row + 1 if contiguous else cached
+            total = end + len(path)
+            start = max(0, total - window) if window else 0
+            dropped_path = max(0, start - end)  # the window reaches into the path only past its start
+            lo.append(min(start, end))
+            hi.append(end)
+            extra.append(path[dropped_path:])
+            count.append(len(path) - dropped_path)
+        width = max(1, max(count))
+        index = torch.zeros(size, width, dtype=torch.long)
+        for row, nodes in enumerate(extra):
+            index[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long) if nodes else index[row, :0]
+        out = native(query[0].transpose(0, 1).contiguous(), keys[0].contiguous(), values[0].contiguous(),
+                     torch.tensor(lo), torch.tensor(hi), index, torch.tensor(count),
+                     float(kwargs.get("scaling") or query.shape[-1] ** -0.5), float(kwargs.get("softcap") or 0.0))
+        return out[None]  # [1, n, heads, head_dim]
     outputs = []
     for row in range(size):
         if tree is None or paths[row] == list(range(row + 1)):  # a chain prefix: the keys as they are
@@ -240,6 +263,22 @@ def _rows_alone(query, keys, values, window, tree, kwargs) -> torch.Tensor:
             k, v = k[:, :, -window:], v[:, :, -window:]
         outputs.append(_attend_one(query[:, :, row : row + 1], k, v, kwargs))
     return torch.cat(outputs, dim=1)
+
+
+_NATIVE: list = []
+
+
+def _native_attention():
+    """tandem.quant's row_attention for this host's build, or None (then PyTorch, row by row)."""
+    if not _NATIVE:
+        from tandem.quant.native import KernelUnavailable, load_row_attention, probe
+
+        isa, _ = probe()
+        try:
+            _NATIVE.append(load_row_attention(isa) if isa else None)
+        except KernelUnavailable:
+            _NATIVE.append(None)
+    return _NATIVE[0]
 
 
 def _attend_one(query, keys, values, kwargs) -> torch.Tensor:

@@ -33,7 +33,11 @@ from tandem.quant.tensor import ROWS, TILE, TILES, QuantizedTensor, pack, to_til
 
 log = logging.getLogger(__name__)
 
-SOURCES = {"float32": Path(__file__).with_name("qmatmul.cpp"), "int8": Path(__file__).with_name("qmatmul_vnni.cpp")}
+SOURCES = {
+    "float32": Path(__file__).with_name("qmatmul.cpp"),
+    "int8": Path(__file__).with_name("qmatmul_vnni.cpp"),
+    "attention": Path(__file__).with_name("row_attention.cpp"),  # the row-exact attention int8 activations need
+}
 ENV = "TANDEM_QUANT_KERNEL"
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
@@ -138,28 +142,45 @@ def load_kernel(isa: str | None = None) -> QuantKernel:
     return kernel
 
 
-def _library(isa: str) -> str:
-    return f"tandem_quant_{isa}"
+def _library(isa: str, kind: str = "") -> str:
+    return f"tandem_{kind}_{isa}" if kind else f"tandem_quant_{isa}"
 
 
 def _ops(isa: str):
     return getattr(torch.ops, _library(isa))
 
 
-def _build(isa: str) -> str:
-    """Compiles (or finds) the ``isa`` build and loads it into torch.ops; returns what it did."""
+_ATTENTION: dict[str, object] = {}
+
+
+def load_row_attention(isa: str):
+    """``row_attention`` (row_attention.cpp) built for ``isa``'s instruction set; raises
+    :class:`KernelUnavailable` where it cannot be built."""
+    if isa not in _ATTENTION:
+        try:
+            _build(isa, "attention")
+        except Exception as error:  # noqa: BLE001  as for the products: say why, let the caller fall back
+            raise KernelUnavailable(f"the {isa} build of the row attention failed: {str(error)[-400:]}") from error
+        _ATTENTION[isa] = getattr(torch.ops, _library(isa, "attention")).row_attention
+    return _ATTENTION[isa]
+
+
+def _build(isa: str, kind: str = "") -> str:
+    """Compiles (or finds) the ``isa`` build of a kernel and loads it into torch.ops; returns what it did."""
     from torch.utils import cpp_extension
 
     from tandem.models import cache_dir
 
-    flags = ["-O3", "-fopenmp", f"-DTANDEM_QUANT_LIBRARY={_library(isa)}", *ISA_FLAGS[isa]]
-    source = SOURCES["int8" if isa in INT8_ISAS else "float32"]
+    kind = kind or ("int8" if isa in INT8_ISAS else "float32")
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={_library(isa, '' if kind != 'attention' else kind)}",
+             *ISA_FLAGS[isa]]
+    source = SOURCES[kind]
     digest = hashlib.sha256(source.read_bytes() + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:12]
-    folder = cache_dir() / "kernels" / f"qmatmul-{isa}-{digest}"
+    folder = cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     cached = any(folder.glob("*.so"))
     cpp_extension.load(
-        name=f"{_library(isa)}_{digest}",
+        name=f"{_library(isa, '' if kind != 'attention' else kind)}_{digest}",
         sources=[str(source)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],

@@ -1,0 +1,77 @@
+"""The row-exact attention (tandem/quant/row_attention.cpp, target_service.ragged's row-by-row path)
+against plain attention, and a verification pass's rows against one-token steps, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.quant.native import cpu_flags, load_row_attention
+from target_service import ragged
+
+ISAS = [
+    pytest.param("avx2", marks=pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="no AVX2")),
+    pytest.param("avx512", marks=pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="no AVX-512")),
+]
+
+
+@pytest.fixture(params=ISAS)
+def native(request):
+    return load_row_attention(request.param)
+
+
+def _plain(query, keys, values, index, scale):
+    """One row, plain float64 attention: query [heads, dim], keys/values [kv_heads, T, dim]."""
+    heads, kv_heads = query.shape[0], keys.shape[0]
+    k = keys[:, index].repeat_interleave(heads // kv_heads, dim=0).double()  # [heads, n, dim]
+    v = values[:, index].repeat_interleave(heads // kv_heads, dim=0).double()
+    weights = torch.softmax((k @ query.double()[:, :, None])[..., 0] * scale, dim=-1)  # [heads, n]
+    return (weights[:, None] @ v)[:, 0].float()  # [heads, dim]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_each_row_attends_over_its_range_then_its_extra_keys(native, kv_heads) -> None:
+    generator = torch.Generator().manual_seed(kv_heads)
+    heads, dim, positions = 4, 32, 40
+    query = torch.randn(4, heads, dim, generator=generator)
+    keys = torch.randn(kv_heads, positions, dim, generator=generator) * 3
+    values = torch.randn(kv_heads, positions, dim, generator=generator)
+    lo, hi = torch.tensor([0, 5, 0, 30]), torch.tensor([33, 34, 30, 30])
+    extra = torch.tensor([[0, 0], [0, 0], [31, 33], [32, 0]])
+    count = torch.tensor([0, 0, 2, 1])
+    out = native(query, keys, values, lo, hi, extra, count, dim**-0.5, 0.0)
+    for row in range(4):
+        index = torch.cat([torch.arange(int(lo[row]), int(hi[row])), extra[row, : int(count[row])]])
+        torch.testing.assert_close(out[row], _plain(query[row], keys, values, index, dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_ranges_are_refused(native) -> None:
+    q, k = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
+    with pytest.raises(RuntimeError, match="bad key range"):
+        native(q, k, k, torch.tensor([0]), torch.tensor([9]), torch.zeros(1, 1, dtype=torch.long),
+               torch.tensor([0]), 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="no keys"):
+        native(q, k, k, torch.tensor([3]), torch.tensor([3]), torch.zeros(1, 1, dtype=torch.long),
+               torch.tensor([0]), 1.0, 0.0)
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
+@pytest.mark.parametrize("tree", [None, (-1, 0, -1, 2, 1)], ids=["chain", "tree"])
+def test_a_passes_rows_equal_one_token_steps_bit_for_bit(monkeypatch, use_native, tree) -> None:
+    """Row i of a pass over a cache of 10 keys equals the step at its position over the cache plus
+    its path (each path's keys laid out as a committed sequence would be), window 6."""
+    if not use_native:
+        monkeypatch.setattr(ragged, "_NATIVE", [None])
+    generator = torch.Generator().manual_seed(3)
+    size, cached, heads, dim = 5, 10, 4, 32
+    query = torch.randn(1, heads, size, dim, generator=generator)
+    keys = torch.randn(1, 1, cached + size, dim, generator=generator)
+    values = torch.randn(1, 1, cached + size, dim, generator=generator)
+    kwargs = {"scaling": dim**-0.5}
+    together = ragged._rows_alone(query, keys, values, 6, tree, kwargs)  # [1, n, heads, dim]
+    paths = ragged._paths(tree, size)
+    for row in range(size):
+        order = list(range(cached)) + [cached + node for node in paths[row]]  # the committed sequence
+        step_keys, step_values = keys[:, :, order].contiguous(), values[:, :, order].contiguous()
+        alone = ragged._rows_alone(query[:, :, row : row + 1].contiguous(), step_keys, step_values, 6, None, kwargs)
+        assert torch.equal(alone[0, 0], together[0, row])
