@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tandem.models import load_model
-from tandem.quant.native import KernelUnavailable, load_kernel
+from tandem.quant.native import available_kernels
 from target_service import kv_cache
 from target_service.api import DraftBlock
 from target_service.engine import TargetEngine
@@ -56,17 +56,6 @@ def load_model_tokenizer(spec: str):
     return load_tokenizer(spec)
 
 
-def kernels_here() -> list[str]:
-    found = []
-    for isa in ("avx512vnni", "avx512", "avx2"):
-        try:
-            load_kernel(isa)
-            found.append(isa)
-        except KernelUnavailable:
-            pass
-    return found
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma-3-270m")
@@ -81,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engines: dict[str, TargetEngine] = {}
     if not args.no_float32:
         engines["float32"] = TargetEngine(load_model(args.model, device="cpu", dtype="float32"))
-    for isa in args.kernels if args.kernels is not None else kernels_here():
+    for isa in args.kernels if args.kernels is not None else available_kernels():
         os.environ["TANDEM_QUANT_KERNEL"] = isa
         engines[f"quantized {isa}"] = TargetEngine(load_model(args.model, device="cpu", dtype="auto"))
     # Real text (the bench's prompts, end to end): on a synthetic token sequence the hidden states are

@@ -35,7 +35,7 @@ import torch
 
 from tandem.bench.prompts import load_prompts
 from tandem.models import load_model, resolve
-from tandem.quant.native import KernelUnavailable, load_kernel
+from tandem.quant.native import available_kernels
 
 
 def held_out_text() -> str:
@@ -78,17 +78,6 @@ def llama_perplexity(binary: str, gguf: Path, text: str, context: int, threads: 
     return float(found.group(1)) if found else None
 
 
-def kernels_here() -> list[str]:
-    usable = []
-    for isa in ("avx512vnni", "avx512", "avx2"):
-        try:
-            load_kernel(isa)
-            usable.append(isa)
-        except KernelUnavailable:
-            pass
-    return usable
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma-3-270m")
@@ -105,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     dense = load_model(args.model, device="cpu", dtype="float32")
     reference = [greedy(dense.model, dense.tokenizer, p.prompt, args.max_tokens) for p in prompts]
     rows = {"float32": {"perplexity": perplexity(dense.model, dense.tokenizer, text, args.context)[0]}}
-    for isa in args.kernels if args.kernels is not None else kernels_here():
+    for isa in args.kernels if args.kernels is not None else available_kernels():
         os.environ["TANDEM_QUANT_KERNEL"] = isa
         quantized = load_model(args.model, device="cpu", dtype="auto")
         prefixes = []

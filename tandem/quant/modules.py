@@ -23,38 +23,36 @@ from tandem.quant.tensor import QuantizedTensor
 DENSE_ROWS = 64  # float32 kernel: calls with more rows dequantize the weight and run a float32 GEMM
 
 
-def _buffers(module: nn.Module, weight: QuantizedTensor) -> None:
-    module.register_buffer("packed", weight.packed, persistent=False)
-    module.register_buffer("scale", weight.scale, persistent=False)
-    module.register_buffer("mins", weight.mins, persistent=False)
+class _Quantized(nn.Module):
+    """Holds a :class:`QuantizedTensor` as buffers (``Module.to`` moves them; not saved: they come from the GGUF file)."""
 
-
-def _weight(module: nn.Module) -> QuantizedTensor:
-    return QuantizedTensor(module.packed, module.scale, module.mins, module.group, module.bits, module.zero,
-                           module.source, module.layout)
-
-
-class QuantLinear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` a :class:`QuantizedTensor` [out, in]."""
-
-    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, kernel: QuantKernel) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        weight = kernel.prepare(weight)
+    def _hold(self, weight: QuantizedTensor) -> None:
         self.group, self.bits, self.zero, self.source = weight.group, weight.bits, weight.zero, weight.source
         self.layout = weight.layout
-        _buffers(self, weight)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.kernel = kernel
+        self.register_buffer("packed", weight.packed, persistent=False)
+        self.register_buffer("scale", weight.scale, persistent=False)
+        self.register_buffer("mins", weight.mins, persistent=False)
 
     @property
     def quantized(self) -> QuantizedTensor:
-        return _weight(self)
+        return QuantizedTensor(self.packed, self.scale, self.mins, self.group, self.bits, self.zero, self.source,
+                               self.layout)
 
     @property
     def weight(self) -> torch.Tensor:
         """The float32 weight (dequantized on each access: for checks and tools, not for decoding)."""
         return dequantize(self.quantized)
+
+
+class QuantLinear(_Quantized):
+    """``y = x @ W.T + bias`` with ``W`` a :class:`QuantizedTensor` [out, in]."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, kernel: QuantKernel) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self._hold(kernel.prepare(weight))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [m, in]
@@ -71,26 +69,16 @@ class QuantLinear(nn.Module):
                 f"kernel={self.kernel.isa}")
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(_Quantized):
     """An embedding lookup that dequantizes only the rows it is asked for, times ``scale`` (Gemma
     multiplies its embeddings by sqrt(hidden size); 1 elsewhere)."""
 
     def __init__(self, weight: QuantizedTensor, scale: torch.Tensor | float = 1.0, padding_idx: int | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.group, self.bits, self.zero, self.source = weight.group, weight.bits, weight.zero, weight.source
-        self.layout = weight.layout
         self.padding_idx = padding_idx
-        _buffers(self, weight)
+        self._hold(weight)
         self.register_buffer("embed_scale", torch.as_tensor(scale, dtype=torch.float32), persistent=False)
-
-    @property
-    def quantized(self) -> QuantizedTensor:
-        return _weight(self)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return dequantize(self.quantized)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)  # [n]

@@ -142,6 +142,18 @@ def load_kernel(isa: str | None = None) -> QuantKernel:
     return kernel
 
 
+def available_kernels() -> list[str]:
+    """The quantized builds this host runs (built now where they were not), best first."""
+    found = []
+    for isa in ISA_FLAGS:
+        try:
+            load_kernel(isa)
+            found.append(isa)
+        except KernelUnavailable:
+            pass
+    return found
+
+
 def _library(isa: str, kind: str = "") -> str:
     return f"tandem_{kind}_{isa}" if kind else f"tandem_quant_{isa}"
 
