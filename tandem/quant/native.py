@@ -1,7 +1,7 @@
 """The quantized product's native kernels: which build this host runs, and the build.
 
 Two kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
-(``$TANDEM_CACHE_DIR/kernels``, one folder per build, source and torch version; about 20 s once,
+(``$TANDEM_CACHE_DIR/kernels``, one folder per build, source and torch install; about 20 s once,
 then a load):
 
 * ``avx512vnni`` (``qmatmul_vnni.cpp``): activations quantized to int8 per group, integer products
@@ -187,7 +187,10 @@ def _build(isa: str, kind: str = "") -> str:
     flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={_library(isa, '' if kind != 'attention' else kind)}",
              *ISA_FLAGS[isa]]
     source = SOURCES[kind]
-    digest = hashlib.sha256(source.read_bytes() + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:12]
+    # The torch install is part of the key: its headers' paths are in the build file, and another
+    # install's (a second virtual environment) would make ninja rebuild the folder every time.
+    key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), *flags])
+    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     cached = any(folder.glob("*.so"))
