@@ -229,8 +229,9 @@ def load_tokenizer(spec: str) -> Any:
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
     """Loads a causal LM and its tokenizer from a SPEC, for inference.
 
-    ``dtype="auto"`` on a CPU computes a GGUF model on its file's own quantized blocks (float32
-    activations; ``tandem.quant``); ``"float32"`` on their exact float32 dequantization."""
+    ``dtype="auto"`` on a CPU computes a GGUF model on its file's own quantized blocks, through the
+    kernel the host's probe picks (``tandem.quant.native``: int8 activations with VNNI, else
+    float32); ``"float32"`` on their exact float32 dequantization."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
