@@ -37,7 +37,7 @@ from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.quant.modules import int8_activations
 from tandem.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.v1 import common_pb2
-from target_service import kv_cache, ragged, tree
+from target_service import gemma_pass, kv_cache, ragged, tree
 from target_service.api import (
     FINISHED,
     NOT_FINISHED,
@@ -185,11 +185,15 @@ class TargetEngine:
         # int8 activations turn a multi-row pass's rounding noise into changed tokens: then every
         # short pass, a decode step included, runs through ragged.forward attending row by row.
         self.row_exact = sdpa and int8_activations(self.model)
+        # A quantized Gemma 3 runs ragged passes without transformers' module tree (gemma_pass): a
+        # lone short step is then cheaper through ragged.forward whatever its kernel.
+        self.lean = self.batched and sdpa and gemma_pass.for_model(self.model) is not None
         self.verifier = select_verifier(loaded.device)
         self.greedy_head: ScreenedArgmax | None = (
             screened_argmax_for(self.model, loaded.device) if screened_head else None
         )
-        log.info("target attention: %s; verifier: %s", self.attention, self.verifier.backend)
+        log.info("target attention: %s; verifier: %s; short passes: %s", self.attention, self.verifier.backend,
+                 "gemma_pass" if self.lean else "the module tree")
         self.info = EngineInfo(
             model_name=loaded.name,
             vocab_size=self.vocab_size,
@@ -643,9 +647,11 @@ class TargetEngine:
 
     def _ragged_pays(self, step: _Step) -> bool:
         """Whether a session alone runs through ``ragged.forward`` rather than :meth:`_forward`: it is
-        faster past the sliding window, and it is the row-exact path (``row_exact``)."""
+        faster past the sliding window or without the module tree (``lean``), and it is the row-exact
+        path (``row_exact``)."""
         return len(step.token_ids) <= RAGGED_LONE_MAX_ROWS and (
             self.row_exact
+            or self.lean
             or (self.ragged_after is not None and kv_cache.cache_length(step.session.cache) > self.ragged_after)
         )
 

@@ -32,7 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.hf_attention import TreeSpec, tree_forward, tree_spec
 from kernels.reference.tree_attention import tree_attention_mask, tree_depths
-from target_service import kv_cache
+from target_service import gemma_pass, kv_cache
 
 PREFIX = "tandem_ragged_"  # the wrapped implementation's name follows
 
@@ -160,18 +160,24 @@ def forward(
             [torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]
         ).to(device)  # [sum(kept)] row indices (none at all: an empty index, and an LM head over no rows)
     ragged = RaggedCache(caches, sizes, tree_list, row_exact=row_exact)
+    lean = gemma_pass.for_model(model)
     with _active(ragged):
-        out = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=ragged.marker,
-            cache=ragged,
-            use_cache=True,
-            output_hidden_states=want_hidden,
-            logits_to_keep=logits_to_keep,
-        )
-    logits = list(out.logits[0].split(kept))  # [n or 1, vocab] each
-    hidden = list(out.hidden_states[-1][0].split(sizes)) if want_hidden else None  # [n, hidden_size] each
+        if lean is not None:  # a quantized Gemma 3: the same computation without the module tree
+            attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+            final, all_logits = lean.run(attend, ragged, input_ids[0], position_ids[0], logits_to_keep)
+        else:
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=ragged.marker,
+                cache=ragged,
+                use_cache=True,
+                output_hidden_states=want_hidden,
+                logits_to_keep=logits_to_keep,
+            )
+            final, all_logits = (out.hidden_states[-1][0] if want_hidden else None), out.logits[0]
+    logits = list(all_logits.split(kept))  # [n or 1, vocab] each
+    hidden = list(final.split(sizes)) if want_hidden else None  # [n, hidden_size] each
     return logits, hidden
 
 

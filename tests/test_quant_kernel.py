@@ -11,7 +11,7 @@ import torch
 
 from tandem.quant import native, reference
 from tandem.quant.native import KernelUnavailable, cpu_flags, load_kernel, probe
-from tandem.quant.tensor import TILES, QuantizedTensor, pack
+from tandem.quant.tensor import TILES, QuantizedTensor, pack, stack, stackable
 
 FLAGS = cpu_flags()
 NEEDS = {
@@ -88,6 +88,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, layout) -> 
     for i in range(12):
         assert torch.equal(kernel.matmul(x[i : i + 1].contiguous(), weight)[0], together[i])
     assert torch.equal(kernel.matmul(x[3:8].contiguous(), weight), together[3:8])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"{layout[0]}bit-g{layout[1]}-z{layout[2]}")
+def test_stacked_weights_give_each_row_exactly_its_own_product(kernel, layout) -> None:
+    """tandem.quant.tensor.stack: q|k|v or gate|up in one call, the same bits as one call per weight."""
+    parts = [kernel.prepare(_weight(*layout, out=out, width=128, seed=seed)) for seed, out in enumerate((48, 16, 32))]
+    joined = stack(parts)
+    assert joined.shape == (96, 128) and joined.layout == parts[0].layout
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernel.matmul(x, joined), torch.cat([kernel.matmul(x, part) for part in parts], dim=1))
+
+
+def test_only_weights_of_one_format_stack() -> None:
+    a = _weight(8, 32, 0, torch.float16, False, out=16, width=64)
+    b = _weight(5, 32, 16, torch.float16, False, out=16, width=64)
+    assert stackable([a, a]) and not stackable([a, b])
+    with pytest.raises(ValueError, match="one format"):
+        stack([a, b])
 
 
 def test_kernel_refuses_malformed_arguments(kernel) -> None:

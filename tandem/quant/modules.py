@@ -56,10 +56,7 @@ class QuantLinear(_Quantized):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [m, in]
-        if rows.shape[0] > DENSE_ROWS and self.kernel.activations == "float32":
-            out = rows @ dequantize(self.quantized).T  # [m, out]
-        else:
-            out = self.kernel.matmul(rows, self.quantized)  # [m, out]
+        out = product(self.kernel, rows, self.quantized)  # [m, out]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -86,6 +83,14 @@ class QuantEmbedding(_Quantized):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         rows = dequantize(self.quantized.rows(flat))  # [n, dim]
         return (rows * self.embed_scale).reshape(*input_ids.shape, self.embedding_dim)
+
+
+def product(kernel: QuantKernel, rows: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """rows [m, in] float32 contiguous @ weight.T -> [m, out]: the kernel, or for more than
+    ``DENSE_ROWS`` rows with float32 activations a GEMM of the dequantized weight (see the module docstring)."""
+    if rows.shape[0] > DENSE_ROWS and kernel.activations == "float32":
+        return rows @ dequantize(weight).T
+    return kernel.matmul(rows, weight)
 
 
 def int8_activations(model: nn.Module) -> bool:

@@ -37,7 +37,9 @@ SOURCES = {
     "float32": Path(__file__).with_name("qmatmul.cpp"),
     "int8": Path(__file__).with_name("qmatmul_vnni.cpp"),
     "attention": Path(__file__).with_name("row_attention.cpp"),  # the row-exact attention int8 activations need
+    "decoder": Path(__file__).with_name("decoder_ops.cpp"),  # a decoder layer's norms, rotary and gate in one call each
 }
+OPS_KINDS = ("attention", "decoder")  # sources of ops beside the products: their libraries are named by kind
 ENV = "TANDEM_QUANT_KERNEL"
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
@@ -162,19 +164,29 @@ def _ops(isa: str):
     return getattr(torch.ops, _library(isa))
 
 
-_ATTENTION: dict[str, object] = {}
+_OPS: dict[tuple[str, str], object] = {}
 
 
 def load_row_attention(isa: str):
     """``row_attention`` (row_attention.cpp) built for ``isa``'s instruction set; raises
     :class:`KernelUnavailable` where it cannot be built."""
-    if isa not in _ATTENTION:
+    return getattr(_load_ops(isa, "attention"), "row_attention")
+
+
+def load_decoder_ops(isa: str):
+    """The namespace of decoder_ops.cpp's ops (``rms_norm``, ``add_rms_norm``, ``head_norm_rope``,
+    ``gelu_tanh_mul``) built for ``isa``; raises :class:`KernelUnavailable` where it cannot be built."""
+    return _load_ops(isa, "decoder")
+
+
+def _load_ops(isa: str, kind: str):
+    if (isa, kind) not in _OPS:
         try:
-            _build(isa, "attention")
+            _build(isa, kind)
         except Exception as error:  # noqa: BLE001  as for the products: say why, let the caller fall back
-            raise KernelUnavailable(f"the {isa} build of the row attention failed: {str(error)[-400:]}") from error
-        _ATTENTION[isa] = getattr(torch.ops, _library(isa, "attention")).row_attention
-    return _ATTENTION[isa]
+            raise KernelUnavailable(f"the {isa} build of {SOURCES[kind].name} failed: {str(error)[-400:]}") from error
+        _OPS[isa, kind] = getattr(torch.ops, _library(isa, kind))
+    return _OPS[isa, kind]
 
 
 def _build(isa: str, kind: str = "") -> str:
@@ -184,18 +196,19 @@ def _build(isa: str, kind: str = "") -> str:
     from tandem.models import cache_dir
 
     kind = kind or ("int8" if isa in INT8_ISAS else "float32")
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={_library(isa, '' if kind != 'attention' else kind)}",
-             *ISA_FLAGS[isa]]
+    library = _library(isa, kind if kind in OPS_KINDS else "")
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={library}", *ISA_FLAGS[isa]]
     source = SOURCES[kind]
     # The torch install is part of the key: its headers' paths are in the build file, and another
     # install's (a second virtual environment) would make ninja rebuild the folder every time.
     key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), *flags])
-    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:12]
+    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     cached = any(folder.glob("*.so"))
     cpp_extension.load(
-        name=f"{_library(isa, '' if kind != 'attention' else kind)}_{digest}",
+        name=f"{library}_{digest}",
         sources=[str(source)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],

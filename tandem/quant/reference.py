@@ -1,4 +1,4 @@
-"""PyTorch references of the quantized CPU kernel: the semantics ``qmatmul.cpp`` must reproduce.
+"""PyTorch references of the quantized CPU kernels: the semantics ``qmatmul.cpp`` and ``decoder_ops.cpp`` reproduce.
 
 ``qmatmul`` has the native operator's signature (``torch.ops.tandem_quant.qmatmul``); both compute
 ``x @ W.T`` in float32 from the exactly dequantized weight, so they differ only in the order of
@@ -68,3 +68,31 @@ def qmatmul_int8_activations(x: torch.Tensor, weight: QuantizedTensor) -> torch.
         sums = x.double().reshape(-1, width // group, group).sum(-1)  # [rows, groups]
         y = y - sums @ rows_layout.mins.double().T
     return y.float()
+
+
+# decoder_ops.cpp's references: the same arithmetic in PyTorch (the sums of squares in float64).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim] normalised per row, times ``weight`` [dim]."""
+    inverse = 1.0 / torch.sqrt((x.double().square().sum(-1, keepdim=True) / x.shape[-1]).float() + eps)
+    return x * inverse * weight
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, post: torch.Tensor, pre: torch.Tensor, eps: float):
+    """(hidden, normed): hidden = residual + rms_norm(x, post), normed = rms_norm(hidden, pre)."""
+    hidden = residual + rms_norm(x, post, eps)
+    return hidden, rms_norm(hidden, pre, eps)
+
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """x [rows, heads, dim]: each head normalised, then rotated by cos/sin [rows, dim] (pairs j, j + dim/2)."""
+    normed = rms_norm(x, weight, eps)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-normed[..., half:], normed[..., :half]], dim=-1)
+    return normed * cos[:, None] + rotated * sin[:, None]
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up, gelu's tanh approximation."""
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -69,6 +69,30 @@ class QuantizedTensor:
         )
 
 
+def stackable(weights: list[QuantizedTensor]) -> bool:
+    """Whether :func:`stack` can join ``weights``: one format, layout and input width."""
+    first = weights[0]
+    return all(
+        (w.group, w.bits, w.zero, w.layout, w.scale.dtype, w.mins is None, w.shape[1], w.packed.shape[1:])
+        == (first.group, first.bits, first.zero, first.layout, first.scale.dtype, first.mins is None,
+            first.shape[1], first.packed.shape[1:])
+        for w in weights
+    )
+
+
+def stack(weights: list[QuantizedTensor]) -> QuantizedTensor:
+    """``weights`` [out_i, in] as one [sum(out_i), in] (rows, or tiles, end to end): one product
+    reads them all, and each output row is computed exactly as in its own weight's product."""
+    if not stackable(weights):
+        raise ValueError("stack needs weights of one format, layout and input width")
+    first = weights[0]
+    return QuantizedTensor(
+        torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
+        None if first.mins is None else torch.cat([w.mins for w in weights]),
+        first.group, first.bits, first.zero, "+".join(dict.fromkeys(w.source for w in weights)), first.layout,
+    )
+
+
 def row_bytes(in_features: int, bits: int) -> int:
     return in_features if bits == 8 else in_features // 32 * GROUP_BYTES[bits]
 

@@ -1,0 +1,150 @@
+// The small elementwise and per-row steps of a decoder layer, each one call instead of the five to
+// ten tensor operations transformers spells it in: on a decode step of a small model these
+// operations, not their arithmetic, are what costs (each PyTorch call pays its dispatch).
+// The references with the same semantics are in tandem/quant/reference.py (decoder_* functions).
+//
+// Invariant: every output row depends only on its own input row, in a fixed order of operations
+// (sums of squares in double, in index order), so a verification pass's row is bit for bit the
+// row a one-token step computes.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace {
+
+using namespace tandem_vec;
+
+void check_rows(const at::Tensor& x, int64_t dim, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), name, " must be contiguous float32");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim, name, " must end in ", dim, " columns");
+}
+
+// out[j] = x[j] / sqrt(mean(x^2) + eps) * weight[j], over one row of ``dim``.
+inline void norm_row(const float* x, const float* weight, float eps, int64_t dim, float* out) {
+  double squares = 0.0;
+  for (int64_t j = 0; j < dim; ++j) squares += double(x[j]) * double(x[j]);
+  const float inverse = 1.0f / std::sqrt(float(squares / double(dim)) + eps);
+  for (int64_t j = 0; j < dim; ++j) out[j] = x[j] * inverse * weight[j];
+}
+
+// x [..., dim] -> the same shape, each row normalised and scaled by weight [dim].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t dim = weight.numel();
+  check_rows(x, dim, "x");
+  check_rows(weight, dim, "weight");
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.numel() / dim;
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) norm_row(src + r * dim, weight.data_ptr<float>(), float(eps), dim, dst + r * dim);
+  return out;
+}
+
+// hidden = residual + rms_norm(x, post); normed = rms_norm(hidden, pre): the end of a layer's half
+// (its output norm and the residual) and the start of the next half (its input norm) in one call.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& x,
+                                                const at::Tensor& post, const at::Tensor& pre, double eps) {
+  const int64_t dim = post.numel();
+  check_rows(residual, dim, "residual");
+  check_rows(x, dim, "x");
+  check_rows(post, dim, "post");
+  check_rows(pre, dim, "pre");
+  TORCH_CHECK(residual.numel() == x.numel(), "residual and x must have the same shape");
+  at::Tensor hidden = at::empty_like(residual);
+  at::Tensor normed = at::empty_like(residual);
+  const int64_t rows = x.numel() / dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* res = residual.data_ptr<float>() + r * dim;
+    float* h = hidden.data_ptr<float>() + r * dim;
+    norm_row(x.data_ptr<float>() + r * dim, post.data_ptr<float>(), float(eps), dim, h);
+    for (int64_t j = 0; j < dim; ++j) h[j] = res[j] + h[j];
+    norm_row(h, pre.data_ptr<float>(), float(eps), dim, normed.data_ptr<float>() + r * dim);
+  }
+  return {hidden, normed};
+}
+
+// x [rows, heads, dim] (rows may be strided: a slice of a joined product): each head's vector normalised (weight [dim]), then rotated by the row's
+// cos/sin [rows, dim] (the "rotate half" convention: pairs (j, j + dim/2)).
+at::Tensor head_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                          const at::Tensor& sin, double eps) {
+  const int64_t dim = weight.numel();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(2) == dim && dim % 2 == 0 && x.stride(2) == 1 &&
+                  (x.size(1) == 1 || x.stride(1) == dim),
+              "x must be float32 [rows, heads, even head_dim], each row's heads contiguous");
+  check_rows(cos, dim, "cos");
+  check_rows(sin, dim, "sin");
+  const int64_t rows = x.size(0), heads = x.size(1), half = dim / 2;
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "cos and sin must be [rows, head_dim]");
+  at::Tensor out = at::empty({rows, heads, dim}, x.options());
+  std::vector<float> buffer(dim);
+  float* normed = buffer.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos.data_ptr<float>() + r * dim;
+    const float* s = sin.data_ptr<float>() + r * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      norm_row(x.data_ptr<float>() + r * x.stride(0) + h * dim, weight.data_ptr<float>(), float(eps), dim, normed);
+      float* o = out.data_ptr<float>() + (r * heads + h) * dim;
+      for (int64_t j = 0; j < half; ++j) o[j] = normed[j] * c[j] - normed[j + half] * s[j];
+      for (int64_t j = half; j < dim; ++j) o[j] = normed[j] * c[j] + normed[j - half] * s[j];
+    }
+  }
+  return out;
+}
+
+// gelu(gate) * up [rows, width] (rows may be strided) with gelu's tanh approximation, elementwise: 0.5 x (1 + tanh z) = x / (1 + e^(-2z)),
+// z = sqrt(2/pi) (x + 0.044715 x^3), in vectors (a row's tail padded into one, so every element takes
+// the same arithmetic wherever it sits).
+inline vf gelu_mul(vf x, vf u) {
+  const vf z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return x * u / (1.0f + vexp(-2.0f * z));
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.dim() == 2 &&
+                  gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "gate and up must be float32 [rows, width] of one shape, each row contiguous");
+  const int64_t rows = gate.size(0), width = gate.size(1), body = width - width % V;
+  at::Tensor out = at::empty({rows, width}, gate.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate.data_ptr<float>() + r * gate.stride(0);
+    const float* u = up.data_ptr<float>() + r * up.stride(0);
+    float* o = out.data_ptr<float>() + r * width;
+    for (int64_t j = 0; j < body; j += V) store(o + j, gelu_mul(load(g + j), load(u + j)));
+    if (body < width) {
+      float gt[V] = {}, ut[V] = {}, ot[V];
+      std::memcpy(gt, g + body, (width - body) * 4);
+      std::memcpy(ut, u + body, (width - body) * 4);
+      store(ot, gelu_mul(load(gt), load(ut)));
+      std::memcpy(o + body, ot, (width - body) * 4);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+#ifndef TANDEM_QUANT_LIBRARY
+#define TANDEM_QUANT_LIBRARY tandem_decoder_ops
+#endif
+#define TANDEM_DEF(ns, m) TORCH_LIBRARY(ns, m)
+#define TANDEM_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor x, Tensor post, Tensor pre, float eps) -> (Tensor, Tensor)");
+  m.def("head_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
+}
+
+TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("head_norm_rope", &head_norm_rope);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+}

@@ -1,0 +1,204 @@
+"""Gemma 3's ragged pass without the module tree (target_service/gemma_pass.py) and its native ops
+(tandem/quant/decoder_ops.cpp): each op against its PyTorch reference on every build this host runs,
+the references against transformers' Gemma 3 modules, the pass against the module tree, and the
+invariant that a pass scores each row exactly as a one-token step does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.activations import ACT2FN
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, apply_rotary_pos_emb
+
+from tandem.quant import reference
+from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
+from tandem.quant.native import QuantKernel, cpu_flags, load_decoder_ops, load_kernel
+from target_service import gemma_pass, kv_cache, ragged
+from target_service.engine import TargetEngine
+
+NEEDS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx2", "fma", "f16c"},
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+}
+ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(not needs <= cpu_flags(), reason=f"no {isa}"))
+    for isa, needs in NEEDS.items()
+]
+EPS = 1e-6
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def ops(request):
+    return load_decoder_ops(request.param)
+
+
+@pytest.mark.parametrize("width", [640, 37])
+def test_norms_match_their_references_and_each_row_is_alone(ops, width: int) -> None:
+    x, y, w, v = _randn(5, width, seed=1), _randn(5, width, seed=2), _randn(width, seed=3), _randn(width, seed=4)
+    got = ops.rms_norm(x, w, EPS)
+    torch.testing.assert_close(got, reference.rms_norm(x, w, EPS), rtol=1e-6, atol=1e-6)
+    hidden, normed = ops.add_rms_norm(x, y, w, v, EPS)
+    want_hidden, want_normed = reference.add_rms_norm(x, y, w, v, EPS)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-5)
+    for row in range(5):  # bit for bit the same alone
+        assert torch.equal(ops.rms_norm(x[row : row + 1].clone(), w, EPS)[0], got[row])
+        alone = ops.add_rms_norm(x[row : row + 1].clone(), y[row : row + 1].clone(), w, v, EPS)
+        assert torch.equal(alone[0][0], hidden[row]) and torch.equal(alone[1][0], normed[row])
+
+
+def test_head_norm_rope_reads_a_slice_of_a_joined_product(ops) -> None:
+    rows, heads, dim = 4, 3, 32
+    joined = _randn(rows, heads * dim + dim, seed=5)  # [rows, q | k]: q is a strided view
+    q = joined[:, : heads * dim].view(rows, heads, dim)
+    w, angles = _randn(dim, seed=6), _randn(rows, dim, seed=7)
+    got = ops.head_norm_rope(q, w, angles.cos(), angles.sin(), EPS)
+    want = reference.head_norm_rope(q, w, angles.cos(), angles.sin(), EPS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = ops.head_norm_rope(q[1:2].contiguous(), w, angles[1:2].cos(), angles[1:2].sin(), EPS)
+    assert torch.equal(alone[0], got[1])
+
+
+@pytest.mark.parametrize("width", [2048, 37])
+def test_gated_activation_matches_its_reference_in_the_body_and_the_tail(ops, width: int) -> None:
+    joined = _randn(3, 2 * width, seed=8) * 4  # [rows, gate | up], both strided views
+    gate, up = joined[:, :width], joined[:, width:]
+    got = ops.gelu_tanh_mul(gate, up)
+    torch.testing.assert_close(got, reference.gelu_tanh_mul(gate, up), rtol=1e-5, atol=1e-6)
+    assert torch.equal(ops.gelu_tanh_mul(gate[2:].contiguous(), up[2:].contiguous())[0], got[2])
+    extreme = torch.tensor([[-1e4, -30.0, 0.0, 30.0, 1e4]])
+    torch.testing.assert_close(ops.gelu_tanh_mul(extreme, torch.ones_like(extreme)),
+                               torch.nn.functional.gelu(extreme, approximate="tanh"))
+
+
+def test_ops_refuse_malformed_arguments(ops) -> None:
+    with pytest.raises(RuntimeError, match="640 columns"):
+        ops.rms_norm(_randn(2, 64), _randn(640), EPS)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.gelu_tanh_mul(_randn(2, 8), _randn(2, 9))
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.head_norm_rope(_randn(2, 3, 31), _randn(31), _randn(2, 31), _randn(2, 31), EPS)
+
+
+def test_references_compute_what_transformers_gemma_modules_do() -> None:
+    norm = Gemma3RMSNorm(64, eps=EPS)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(64, seed=9))
+    x = _randn(3, 64, seed=10)
+    applied = 1.0 + norm.weight.detach()
+    torch.testing.assert_close(reference.rms_norm(x, applied, EPS), norm(x), rtol=1e-6, atol=1e-6)
+
+    rows, heads, dim = 3, 2, 64
+    q = _randn(rows, heads, dim, seed=11)
+    angles = torch.cat([_randn(rows, dim // 2, seed=12)] * 2, dim=-1)  # [rows, dim]: HF's cat(freqs, freqs)
+    cos, sin = angles.cos(), angles.sin()
+    want, _ = apply_rotary_pos_emb(norm_rows(q, applied), norm_rows(q, applied), cos[None], sin[None])
+    torch.testing.assert_close(reference.head_norm_rope(q, applied, cos, sin, EPS), want[0].transpose(0, 1),
+                               rtol=1e-5, atol=1e-5)
+    gate, up = _randn(3, 50, seed=13), _randn(3, 50, seed=14)
+    torch.testing.assert_close(reference.gelu_tanh_mul(gate, up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
+def norm_rows(q: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
+    """q [rows, heads, dim] through a Gemma 3 norm, as [1, heads, rows, dim] (transformers' layout)."""
+    norm = Gemma3RMSNorm(q.shape[-1], eps=EPS)
+    with torch.no_grad():
+        norm.weight.copy_(applied - 1.0)
+    return norm(q).transpose(0, 1)[None]
+
+
+def _quantized(tiny_gguf_gemma, tmp_path: Path, isa: str):
+    hf_dir, gguf_path = tiny_gguf_gemma
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    kernel = QuantKernel(isa) if isa.startswith("reference") else load_kernel(isa)
+    quantize_model(model, gguf_path, tmp_path / BLOCKS_FILE, kernel)
+    ragged.install(model)
+    return model
+
+
+def _caches(model, prompts: list[list[int]]) -> list:
+    caches = [kv_cache.new_cache() for _ in prompts]
+    with torch.inference_mode():
+        ragged.forward(model, caches, prompts, "cpu")
+    return caches
+
+
+def _without_pass(model):
+    model.__dict__[gemma_pass._ATTRIBUTE] = None  # the module tree from here on
+    return model
+
+
+def test_the_pass_computes_what_the_module_tree_computes(tiny_gguf_gemma, tmp_path) -> None:
+    """Float32 activations (the reference kernel): the pass and the module tree agree to rounding,
+    for two sessions in one pass (one a token tree, past the sliding window of 8), logits and hidden states."""
+    model = _quantized(tiny_gguf_gemma, tmp_path, "reference")
+    assert gemma_pass.for_model(model) is not None
+    prompts = [list(range(3, 15)), list(range(40, 47))]
+    new = [[5, 6, 7], [8, 9, 10, 11]]
+    trees = [None, (-1, 0, 0, 1)]
+    results = []
+    for lean in (True, False):
+        if not lean:
+            _without_pass(model)
+        caches = _caches(model, prompts)
+        with torch.inference_mode():
+            results.append(ragged.forward(model, caches, new, "cpu", want_hidden=True, trees=trees,
+                                          last_only=[False, False]))
+    (lean_logits, lean_hidden), (tree_logits, tree_hidden) = results
+    for a, b in zip(lean_logits + lean_hidden, tree_logits + tree_hidden):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ops_kind", ["native", "reference"])
+@pytest.mark.parametrize("isa", [ISAS[0], ISAS[2]])  # float32 and int8 activations
+def test_a_pass_scores_every_row_as_a_one_token_step_does(tiny_gguf_gemma, tmp_path, monkeypatch, isa: str,
+                                                          ops_kind: str) -> None:
+    """Bit for bit, with either kind of activations and the native ops or their references: the
+    invariant that keeps speculation lossless (the products' kernels are row-exact by their own tests)."""
+    if ops_kind == "reference":
+        monkeypatch.setattr(gemma_pass, "_decoder_ops", lambda isa: reference)
+    model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    assert gemma_pass.for_model(model).ops is (reference if ops_kind == "reference" else load_decoder_ops(isa))
+    prompt = list(range(3, 16))
+    new = [21, 22, 23, 24, 25]
+    (cache,) = _caches(model, [prompt])
+    with torch.inference_mode():
+        (together,), _ = ragged.forward(model, [cache], [new], "cpu", row_exact=True)
+        kv_cache.truncate(cache, len(prompt))
+        alone = torch.cat([ragged.forward(model, [cache], [[token]], "cpu", row_exact=True)[0][0] for token in new])
+    assert torch.equal(together, alone)
+
+
+def test_only_a_gemma_on_quantized_weights_throughout_gets_the_pass(tiny_gguf_gemma, tmp_path) -> None:
+    hf_dir, _ = tiny_gguf_gemma
+    float_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    assert gemma_pass.for_model(float_model) is None
+    model = _quantized(tiny_gguf_gemma, tmp_path, "reference")
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(8, 8)  # one product kept in float32
+    assert gemma_pass.for_model(model) is None
+
+
+def test_the_engine_routes_short_steps_through_the_pass(tiny_gguf_gemma, tmp_path, monkeypatch) -> None:
+    from tandem import models
+    from target_service.session import SessionConfig
+
+    hf_dir, _ = tiny_gguf_gemma
+    model = _quantized(tiny_gguf_gemma, tmp_path, "reference")
+    engine = TargetEngine(models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir, "float32",
+                                             "cpu", "quantized:test"))
+    assert engine.lean and not engine.row_exact
+    calls = []
+    real = gemma_pass.GemmaPass.run
+    monkeypatch.setattr(gemma_pass.GemmaPass, "run",
+                        lambda self, *args: calls.append(len(args[2])) or real(self, *args))
+    engine.prefill("s", list(range(3, 40)), SessionConfig(max_new_tokens=3, ignore_eos=True))
+    engine.generate("s", 2)
+    assert calls[-2:] == [1, 1]  # each decode step: one row through the pass
