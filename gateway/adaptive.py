@@ -163,9 +163,12 @@ class SessionController:
         policy: SpeculationPolicy,
         can_speculate: Callable[[], bool],
         adaptive: bool = True,
+        report: Callable[[float, float], None] | None = None,
     ) -> None:
         """``can_speculate``: whether the draft's breaker and the server's load allow it now;
-        ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement)."""
+        ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement);
+        ``report(seconds_per_token, step_seconds)``: told what the session measured when it is
+        first judged after its warm-up and after each probe (the temperature prior, gateway.prior)."""
         self.config = config
         self._timer = timer
         self._policy = policy
@@ -178,6 +181,8 @@ class SessionController:
         self._probing = False
         self._fallback_tokens = 0
         self._reprobe_after = config.reprobe_after_tokens
+        self._report = report
+        self._reported = False  # the warm-up verdict has been reported (probes report each time)
 
     # -- observations --------------------------------------------------------------------------
 
@@ -232,10 +237,21 @@ class SessionController:
         """Why the session should stop speculating now, judged on the window; None to go on."""
         if self._probing:
             self._probing = False
+            self._report_stats()
             return self._verdict(self.stats(), strict=True) if self._adaptive else None
-        if not self._adaptive or self._stretch_rounds < self.config.warmup_rounds:
+        if self._stretch_rounds < self.config.warmup_rounds:
+            return None
+        if not self._reported:
+            self._reported = True
+            self._report_stats()
+        if not self._adaptive:
             return None
         return self._verdict(self.stats(), strict=False)
+
+    def _report_stats(self) -> None:
+        stats, step = self.stats(), self._timer.step_s
+        if self._report is not None and stats.seconds_per_token is not None and step is not None:
+            self._report(stats.seconds_per_token, step)
 
     def _verdict(self, stats: WindowStats, strict: bool) -> str | None:
         """A reason to fall back, or None. ``strict`` (a probe deciding whether to come back)

@@ -18,12 +18,16 @@ class SpeculationStats:
 
     A *round* is one verified draft block that proposed at least one token (a round in which the
     drafter had nothing to propose commits the target's own token and is not counted).
+    ``fallbacks`` counts the server's switches to autoregressive decoding (not the client's
+    ``speculation: "off"``); ``fallback_reason`` says why the request last decoded that way, the
+    client's choice included (None when it never did).
     """
 
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     fallbacks: int = 0
+    fallback_reason: str | None = None
     # Modes that produced tokens after the first one (which always comes from Prefill).
     modes_used: set[Mode] = field(default_factory=set)
     final_mode: Mode = Mode.SPECULATIVE
@@ -47,6 +51,7 @@ class SpeculationStats:
             "acceptance_rate": self.acceptance_rate,
             "mode": self.mode,
             "fallbacks": self.fallbacks,
+            "fallback_reason": self.fallback_reason,
         }
 
 

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from gateway.adaptive import Leg, Round, SessionController
@@ -48,7 +49,7 @@ from gateway.events import Event, Finished, SpeculationStats, TextDelta, Usage
 from gateway.deps import GenerationDeps
 from gateway.legs import Batch, DraftLegFailed, classify_draft_error, timed
 from gateway.pacer import Pacer, paced
-from gateway.policy import DRAFT_UNAVAILABLE, Decision, Mode
+from gateway.policy import DRAFT_UNAVAILABLE, SPECULATION_OFF, Decision, Mode
 from gateway.request import GenerationRequest, Smoothing, Speculation
 from gateway.stop import StopStringMatcher
 from gateway.upstream import UpstreamStream
@@ -116,6 +117,7 @@ class Generation:
             policy=deps.policy,
             can_speculate=lambda: deps.can_speculate() and not deps.policy.saturated(deps.active_sessions - 1),
             adaptive=self.request.speculation is Speculation.AUTO,
+            report=partial(deps.policy.prior.observe, self.request.sampling.temperature),
         )
         self._enter(decision)
         self._may_hold_session = True
@@ -206,7 +208,8 @@ class Generation:
         switched = self._mode is not None
         self._mode = self._stats.final_mode = decision.mode
         if decision.fallback_reason:
-            self._stats.fallbacks += 1
+            self._stats.fallback_reason = decision.fallback_reason
+            self._stats.fallbacks += decision.fallback_reason != SPECULATION_OFF  # the client's choice is no fallback
             self._deps.metrics.session_fallbacks.labels(reason=decision.fallback_reason).inc()
             log.info("session %s %s autoregressively (%s) after %d tokens", self.session_id,
                      "switches to decoding" if switched else "decodes", decision.fallback_reason,

@@ -76,7 +76,9 @@ def usage_to_proto(usage: Usage) -> gateway_pb2.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
-        speculative_decoding=gateway_pb2.SpeculativeDecodingStats(**usage.speculative_decoding.to_json()),
+        speculative_decoding=gateway_pb2.SpeculativeDecodingStats(
+            **{**usage.speculative_decoding.to_json(), "fallback_reason": usage.speculative_decoding.fallback_reason or ""}
+        ),
     )
 
 

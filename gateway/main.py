@@ -29,6 +29,7 @@ from gateway.grpc_server import build_grpc_server
 from gateway.http_app import create_app
 from gateway.monitor import UpstreamMonitor
 from gateway.policy import PolicyConfig, SpeculationPolicy
+from gateway.prior import TemperaturePrior
 from gateway.served_model import ServedModel, config_context_len
 from gateway.upstream import GrpcDraft, GrpcTarget
 from gateway.validation import RequestValidator
@@ -114,12 +115,14 @@ async def start_gateway(
     target, draft = GrpcTarget(settings.target_address), GrpcDraft(settings.draft_address)
     breaker = DraftBreaker(BreakerConfig.from_settings(settings))
     monitor = UpstreamMonitor(target, draft, model, breaker)
+    metrics = make_metrics("gateway")
     deps = GenerationDeps(
         target=target,
         draft=draft,
         model=model,
-        policy=SpeculationPolicy(PolicyConfig.from_settings(settings)),
-        metrics=make_metrics("gateway"),
+        policy=SpeculationPolicy(PolicyConfig.from_settings(settings),
+                                 TemperaturePrior(on_update=metrics.record_prior)),
+        metrics=metrics,
         draft_ready=lambda: monitor.draft_ready,
         default_num_speculative_tokens=settings.num_speculative_tokens,
         breaker=breaker,

@@ -3,8 +3,12 @@
 Some sessions are known not to profit from speculation before their first token:
 
 * ``speculation: "off"`` in the request (reason ``speculation_off``);
-* a sampling temperature above ``max_temperature`` (default 0.8): the draft's and the target's
-  distributions drift apart as they flatten, so acceptance collapses (reason ``high_temperature``);
+* a sampling temperature above ``max_temperature`` (reason ``high_temperature``; default: none,
+  every temperature may speculate);
+* a temperature at which speculation measured slower than autoregressive decoding on this server
+  (:mod:`gateway.prior`; reason ``prior_slower``): the draft's and the target's distributions drift
+  apart as they flatten, so acceptance falls, but by how much depends on the host, the models
+  and the text, so the server measures it rather than assuming a cut;
 * more than ``max_speculative_sessions`` (default 64) sessions active: the target's compute is
   better spent on decoding than on verifying rejected drafts (reason ``saturated``). The target
   batches the sessions waiting together, and a pass costs about the same for one row as for a few,
@@ -22,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from gateway.prior import TemperaturePrior
 from gateway.request import GenerationRequest, Speculation
 from tandem.config import GatewaySettings
 
@@ -31,6 +36,7 @@ HIGH_TEMPERATURE = "high_temperature"
 SATURATED = "saturated"
 LOW_ACCEPTANCE = "low_acceptance"
 SLOWER_THAN_AUTOREGRESSIVE = "slower_than_autoregressive"
+PRIOR_SLOWER = "prior_slower"
 
 
 class Mode(str, enum.Enum):
@@ -49,7 +55,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_temperature: float | None = 0.8
+    max_temperature: float | None = None
     max_speculative_sessions: int | None = 64
 
     @classmethod
@@ -58,8 +64,9 @@ class PolicyConfig:
 
 
 class SpeculationPolicy:
-    def __init__(self, config: PolicyConfig = PolicyConfig()) -> None:
+    def __init__(self, config: PolicyConfig = PolicyConfig(), prior: TemperaturePrior | None = None) -> None:
         self.config = config
+        self.prior = prior if prior is not None else TemperaturePrior()
 
     def initial(self, request: GenerationRequest, draft_ready: bool, active_sessions: int = 0) -> Decision:
         """The mode a session starts in. ``draft_ready``: the draft's breaker lets sessions
@@ -75,6 +82,8 @@ class SpeculationPolicy:
             return Decision(Mode.AUTOREGRESSIVE, SATURATED)
         if not draft_ready:
             return Decision(Mode.AUTOREGRESSIVE, DRAFT_UNAVAILABLE)
+        if self.prior.holds_back(request.sampling.temperature):
+            return Decision(Mode.AUTOREGRESSIVE, PRIOR_SLOWER)
         return Decision(Mode.SPECULATIVE)
 
     def saturated(self, active_sessions: int) -> bool:

@@ -170,6 +170,7 @@ class SpeculativeDecodingUsage(BaseModel):
     acceptance_rate: float
     mode: Literal["speculative", "autoregressive", "mixed"]
     fallbacks: int
+    fallback_reason: str | None = None
 
 
 class UsageInfo(BaseModel):

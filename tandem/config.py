@@ -184,7 +184,11 @@ class GatewaySettings(_Base):
     fallback_hysteresis: float = Field(0.1, ge=0.0, description="relative margin to switch back to speculation")
     fallback_reprobe_tokens: int = Field(64, ge=1, description="tokens in fallback before a speculative probe")
     fallback_probe_tokens: int = Field(12, ge=1, description="tokens a speculative probe may commit")
-    fallback_max_temperature: float = Field(0.8, ge=0.0, description="decode autoregressively above (2 = never)")
+    fallback_max_temperature: float | None = Field(
+        None, ge=0.0,
+        description="decode autoregressively above this temperature (default: no cut; speculation is judged by what "
+        "it measured at each temperature, gateway.prior)",
+    )
     fallback_max_sessions: int = Field(
         64, ge=0, description="decode autoregressively beyond this many sessions (0 = never)"
     )

@@ -29,6 +29,7 @@ class Metrics:
     e2e_request_latency: Histogram
     session_fallbacks: Counter
     sessions_active: Gauge
+    speculation_prior: Gauge
     requests: Counter
 
     def record_round(self, num_draft_tokens: int, num_accepted: int) -> None:
@@ -41,6 +42,10 @@ class Metrics:
         drafted = self.num_draft_tokens._value.get()
         if drafted:
             self.acceptance_rate.set(self.num_accepted_tokens._value.get() / drafted)
+
+    def record_prior(self, band: str, ratio: float) -> None:
+        """The temperature prior's average for ``band`` (gateway.prior calls this after each report)."""
+        self.speculation_prior.labels(temperature=band).set(ratio)
 
 
 def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Metrics:
@@ -82,6 +87,13 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
             "tandem_session_fallbacks", "Sessions switched to autoregressive decoding", ["reason"], registry=reg
         ),
         sessions_active=Gauge("tandem_sessions_active", "Sessions in progress", ["mode"], registry=reg),
+        speculation_prior=Gauge(
+            "tandem_speculation_prior_ratio",
+            "Speculative seconds per token over autoregressive ones, as measured at each temperature band "
+            "(above 1: new sessions there decode autoregressively, gateway.prior)",
+            ["temperature"],
+            registry=reg,
+        ),
         requests=Counter("tandem_requests", "Requests finished, by status", ["status"], registry=reg),
     )
 

@@ -38,8 +38,9 @@ def request(speculation=Speculation.AUTO, temperature=0.0) -> GenerationRequest:
     [
         (request(), True, 0, Decision(SPEC)),
         (request(Speculation.OFF), True, 0, Decision(AR, SPECULATION_OFF)),
-        (request(temperature=0.81), True, 0, Decision(AR, HIGH_TEMPERATURE)),
-        (request(temperature=0.8), True, 0, Decision(SPEC)),
+        # No temperature cut by default: a fresh server speculates at any temperature (gateway.prior).
+        (request(temperature=1.0), True, 0, Decision(SPEC)),
+        (request(temperature=1.9), True, 0, Decision(SPEC)),
         (request(), True, 64, Decision(AR, SATURATED)),
         (request(), True, 63, Decision(SPEC)),
         (request(), False, 0, Decision(AR, DRAFT_UNAVAILABLE)),
@@ -54,6 +55,9 @@ def test_initial_decision(req, ready, active, expected):
 def test_thresholds_are_configurable_and_can_be_disabled():
     policy = SpeculationPolicy(PolicyConfig(max_temperature=None, max_speculative_sessions=None))
     assert policy.initial(request(temperature=2.0), True, 10_000) == Decision(SPEC)
+    assert SpeculationPolicy(PolicyConfig(max_temperature=0.8)).initial(request(temperature=0.81), True, 0) == Decision(
+        AR, HIGH_TEMPERATURE)
+    assert SpeculationPolicy(PolicyConfig(max_temperature=0.8)).initial(request(temperature=0.8), True, 0) == Decision(SPEC)
     strict = SpeculationPolicy(PolicyConfig(max_temperature=0.3, max_speculative_sessions=2))
     assert strict.initial(request(temperature=0.5), True, 0) == Decision(AR, HIGH_TEMPERATURE)
     assert strict.initial(request(), True, 2) == Decision(AR, SATURATED)

@@ -84,6 +84,7 @@ async def test_health_is_not_serving_while_the_draft_is_down(tokenizer, tiny_dir
             chunks = await generate(ch, Request(prompt="x", max_tokens=3))
             assert chunks[-1].usage.speculative_decoding.mode == "autoregressive"
             assert chunks[-1].usage.speculative_decoding.fallbacks == 1
+            assert chunks[-1].usage.speculative_decoding.fallback_reason == "draft_unavailable"
 
 
 BAD_GRPC = [

@@ -128,7 +128,9 @@ async def test_speculation_off_uses_target_generate(stack, sdk):
     )
     assert response.choices[0].text == SCRIPT_TEXT
     spec = response.usage.speculative_decoding
-    assert (spec["mode"], spec["rounds"], spec["fallbacks"]) == ("autoregressive", 0, 1)
+    # The client's choice, not a fallback of the server's: the reason says so, the count does not.
+    assert (spec["mode"], spec["rounds"], spec["fallbacks"]) == ("autoregressive", 0, 0)
+    assert spec["fallback_reason"] == "speculation_off"
     assert stack.metric("tandem_session_fallbacks_total", reason="speculation_off") == 1
     assert [name for name, _ in stack.model.rpcs] == ["Prefill", "Generate", "Release"]
 
@@ -314,7 +316,7 @@ async def test_draft_down_auto_falls_back_and_on_gets_503(tokenizer, tiny_dir):
         auto = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 50})
         assert auto.status_code == 200 and auto.json()["choices"][0]["text"] == SCRIPT_TEXT
         spec = auto.json()["usage"]["speculative_decoding"]
-        assert (spec["mode"], spec["fallbacks"]) == ("autoregressive", 1)
+        assert (spec["mode"], spec["fallbacks"], spec["fallback_reason"]) == ("autoregressive", 1, "draft_unavailable")
         assert stack.metric("tandem_session_fallbacks_total", reason="draft_unavailable") == 1
         on = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "speculation": "on"})
         assert on.status_code == 503

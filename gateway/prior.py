@@ -1,0 +1,90 @@
+"""What speculation has measured at each sampling temperature: the prior of the up-front decision.
+
+Whether speculation pays at a temperature depends on the host, the models and the text: as the
+distributions flatten, fewer drafts are accepted, while the price of a round stays. A fixed cut
+("decode autoregressively above 0.8") throws away a measured speedup where speculation still pays
+(and OpenAI's SDKs send 1.0 unless told otherwise). So ``auto`` speculates from the start at any
+temperature, and every session that speculates long enough to be judged (its adaptive controller's
+first verdict after the warm-up, or a probe) reports what it measured: its seconds per committed
+token over the target's seconds per autoregressive step. Ratios below 1 mean speculation paid.
+
+:class:`TemperaturePrior` keeps an exponential average of those ratios per temperature band. A new
+session at a band whose average says speculation is slower (above ``1 + margin`` over at least
+``min_sessions`` reports) starts autoregressively, reason ``prior_slower``; one session in
+``explore_every`` of those speculates anyway, and fallen-back sessions still probe, so the prior
+follows the host and the traffic instead of freezing on its first verdict.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+# Upper edges of the temperature bands (greedy is its own band); the last band is open.
+BAND_EDGES = (0.0, 0.35, 0.75, 1.05, 1.5)
+BAND_NAMES = ("0", "0-0.35", "0.35-0.75", "0.75-1.05", "1.05-1.5", "1.5+")
+
+
+def band(temperature: float) -> str:
+    """The name of the band ``temperature`` falls in (the label of the prior's metric)."""
+    return BAND_NAMES[bisect.bisect_left(BAND_EDGES, temperature)]
+
+
+@dataclass
+class _Band:
+    ratio: float = 1.0  # averaged speculative seconds per token / autoregressive seconds per token
+    reports: int = 0
+    held_back: int = 0  # sessions the prior started autoregressively since one last explored
+
+
+@dataclass(frozen=True)
+class PriorConfig:
+    alpha: float = 0.25  # weight of a new report in the band's average
+    min_sessions: int = 3  # reports before the band's average decides anything
+    margin: float = 0.05  # the average must exceed 1 + margin to keep sessions from speculating
+    explore_every: int = 8  # of the sessions the prior holds back, every so many speculate anyway
+
+
+class TemperaturePrior:
+    """Per temperature band, how speculation measured against autoregressive decoding (see module doc)."""
+
+    def __init__(self, config: PriorConfig = PriorConfig(), on_update=None) -> None:
+        """``on_update(band, ratio)``: called after each report (the gateway sets its gauge)."""
+        self.config = config
+        self._bands: dict[str, _Band] = {}
+        self._lock = threading.Lock()
+        self._on_update = on_update
+
+    def observe(self, temperature: float, seconds_per_token: float, step_seconds: float) -> None:
+        """A session's measured speculative time per committed token against the target's step time."""
+        if seconds_per_token <= 0 or step_seconds <= 0:
+            return
+        name = band(temperature)
+        ratio = seconds_per_token / step_seconds
+        with self._lock:
+            entry = self._bands.setdefault(name, _Band())
+            entry.ratio = ratio if entry.reports == 0 else self.config.alpha * ratio + (1 - self.config.alpha) * entry.ratio
+            entry.reports += 1
+            averaged = entry.ratio
+        if self._on_update is not None:
+            self._on_update(name, averaged)
+
+    def ratio(self, temperature: float) -> float | None:
+        """The band's averaged ratio, or None before ``min_sessions`` reports."""
+        with self._lock:
+            entry = self._bands.get(band(temperature))
+            return entry.ratio if entry and entry.reports >= self.config.min_sessions else None
+
+    def holds_back(self, temperature: float) -> bool:
+        """Whether a new session at ``temperature`` should start autoregressively (and count it)."""
+        ratio = self.ratio(temperature)
+        if ratio is None or ratio <= 1 + self.config.margin:
+            return False
+        with self._lock:
+            entry = self._bands[band(temperature)]
+            entry.held_back += 1
+            if entry.held_back >= self.config.explore_every:
+                entry.held_back = 0
+                return False  # this one explores
+        return True

@@ -1,0 +1,109 @@
+"""The temperature prior (gateway.prior): what speculation measured per temperature band decides
+whether a new ``auto`` session speculates, and sessions report what they measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.adaptive import AdaptiveConfig, Round, SessionController, StepTimer
+from gateway.policy import PRIOR_SLOWER, Decision, Mode, PolicyConfig, SpeculationPolicy
+from gateway.prior import PriorConfig, TemperaturePrior, band
+from gateway.request import GenerationRequest, Sampling, Speculation
+
+SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
+
+
+def request(temperature: float, speculation=Speculation.AUTO) -> GenerationRequest:
+    return GenerationRequest((1, 2), 100, Sampling(temperature, 1.0, 0, None), (), (), False, speculation, None)
+
+
+@pytest.mark.parametrize(("temperature", "name"), [(0.0, "0"), (0.2, "0-0.35"), (0.7, "0.35-0.75"),
+                                                   (1.0, "0.75-1.05"), (1.2, "1.05-1.5"), (2.0, "1.5+")])
+def test_bands(temperature: float, name: str) -> None:
+    assert band(temperature) == name
+
+
+def test_the_prior_decides_nothing_before_enough_sessions_reported() -> None:
+    prior = TemperaturePrior(PriorConfig(min_sessions=3))
+    for _ in range(2):
+        prior.observe(1.0, seconds_per_token=0.03, step_seconds=0.02)  # 1.5x slower than decoding alone
+    assert prior.ratio(1.0) is None and not prior.holds_back(1.0)
+    prior.observe(1.0, 0.03, 0.02)
+    assert prior.ratio(1.0) == pytest.approx(1.5) and prior.holds_back(1.0)
+    assert not prior.holds_back(0.0) and not prior.holds_back(0.5)  # other bands know nothing yet
+
+
+def test_speculation_that_pays_is_never_held_back() -> None:
+    prior = TemperaturePrior(PriorConfig(min_sessions=1, margin=0.05))
+    prior.observe(1.0, 0.0204, 0.02)  # 2% slower: within the margin
+    assert not prior.holds_back(1.0)
+    prior.observe(0.0, 0.01, 0.02)
+    assert prior.ratio(0.0) < 1 and not prior.holds_back(0.0)
+
+
+def test_held_back_bands_still_explore_and_follow_new_measurements() -> None:
+    updates = []
+    prior = TemperaturePrior(PriorConfig(min_sessions=1, alpha=0.5, explore_every=4),
+                             on_update=lambda name, ratio: updates.append((name, ratio)))
+    prior.observe(1.0, 0.04, 0.02)
+    assert [prior.holds_back(1.0) for _ in range(8)] == [True, True, True, False] * 2
+    for _ in range(4):  # the explorers (and probes) measure that it pays now
+        prior.observe(1.0, 0.01, 0.02)
+    assert not prior.holds_back(1.0)
+    assert updates[0] == ("0.75-1.05", 2.0) and updates[-1][1] < 1.0
+
+
+def test_bad_measurements_are_ignored() -> None:
+    prior = TemperaturePrior(PriorConfig(min_sessions=1))
+    prior.observe(1.0, 0.0, 0.02)
+    prior.observe(1.0, 0.01, 0.0)
+    assert prior.ratio(1.0) is None
+
+
+def test_the_policy_starts_a_measured_slower_temperature_autoregressively() -> None:
+    prior = TemperaturePrior(PriorConfig(min_sessions=1, explore_every=100))
+    prior.observe(1.0, 0.04, 0.02)
+    policy = SpeculationPolicy(PolicyConfig(), prior)
+    assert policy.initial(request(1.0), True) == Decision(AR, PRIOR_SLOWER)
+    assert policy.initial(request(0.0), True) == Decision(SPEC)
+    assert policy.initial(request(1.0, Speculation.ON), True) == Decision(SPEC)  # "on" overrides every rule
+    assert policy.may_return(PRIOR_SLOWER)  # such sessions still probe, and their probes report
+
+
+def _controller(reports: list, adaptive: bool = True) -> SessionController:
+    timer = StepTimer(alpha=1.0)
+    timer.observe_step(0.02)
+    config = AdaptiveConfig(window_rounds=8, warmup_rounds=4, reprobe_after_tokens=16, probe_tokens=4)
+    return SessionController(config, timer, Decision(SPEC), policy=SpeculationPolicy(), can_speculate=lambda: True,
+                             adaptive=adaptive, report=lambda spt, step: reports.append((spt, step)))
+
+
+def test_a_session_reports_once_after_its_warm_up() -> None:
+    reports: list = []
+    c = _controller(reports)
+    c.next_leg()
+    for _ in range(3):
+        c.observe_round(Round(committed=2, drafted=4, accepted=1, seconds=0.03))
+    c.next_leg()
+    assert reports == []  # still warming up
+    c.observe_round(Round(committed=2, drafted=4, accepted=1, seconds=0.03))
+    c.next_leg()
+    c.observe_round(Round(committed=2, drafted=4, accepted=1, seconds=0.03))
+    c.next_leg()
+    assert reports == [(pytest.approx(0.015), 0.02)]
+
+
+def test_a_probe_reports_what_it_measured() -> None:
+    reports: list = []
+    c = _controller(reports)
+    c.next_leg()
+    for _ in range(4):
+        c.observe_round(Round(committed=1, drafted=4, accepted=0, seconds=0.05))
+    leg, switch = c.next_leg()
+    assert switch is not None and switch.mode is AR and len(reports) == 1
+    c.observe_autoregressive(16)
+    leg, switch = c.next_leg()
+    assert leg.probe
+    c.observe_round(Round(committed=5, drafted=4, accepted=4, seconds=0.05))
+    c.next_leg()
+    assert reports[-1] == (pytest.approx(0.01), 0.02) and len(reports) == 2
