@@ -54,7 +54,11 @@ class _Base(BaseSettings):
     host: str = Field("127.0.0.1", description="address to bind")
     log_level: str = Field("info", description="debug, info, warning, error")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    dtype: str = Field("auto", description="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    dtype: str = Field(
+        "auto",
+        description="auto (on CPU a GGUF target computes on its file's quantized blocks, other weights fp32; bf16 on "
+        "CUDA), float32, bfloat16, float16",
+    )
 
 
 class TargetSettings(_Base):
