@@ -167,8 +167,8 @@ class SessionController:
     ) -> None:
         """``can_speculate``: whether the draft's breaker and the server's load allow it now;
         ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement);
-        ``report(seconds_per_token, step_seconds)``: told what the session measured when it is
-        first judged after its warm-up and after each probe (the temperature prior, gateway.prior)."""
+        ``report(seconds_per_token, step_seconds)``: told at :meth:`finish` what speculation gave the
+        session over all its timed rounds (the temperature prior, gateway.prior)."""
         self.config = config
         self._timer = timer
         self._policy = policy
@@ -182,14 +182,31 @@ class SessionController:
         self._fallback_tokens = 0
         self._reprobe_after = config.reprobe_after_tokens
         self._report = report
-        self._reported = False  # the warm-up verdict has been reported (probes report each time)
+        self._timed_seconds = 0.0  # over every timed speculative round of the session
+        self._timed_tokens = 0
+        self._timed_rounds = 0
 
     # -- observations --------------------------------------------------------------------------
 
     def observe_round(self, round_: Round) -> None:
         self._window.append(round_)
         self._stretch_rounds += 1
+        if round_.seconds is not None:
+            self._timed_seconds += round_.seconds
+            self._timed_tokens += round_.committed
+            self._timed_rounds += 1
 
+    def finish(self) -> None:
+        """The session ended: reports its speculative time per token against the target's step, where
+        it speculated for at least a warm-up's worth of timed rounds. The whole session rather than a
+        window: its first rounds, before lookup has text to copy, are its worst, and a band's prior
+        should hear what speculation gave, not what the first verdict feared."""
+        step = self._timer.step_s
+        if self._report is not None and step is not None and self._timed_tokens and (
+            self._timed_rounds >= self.config.warmup_rounds
+        ):
+            self._report(self._timed_seconds / self._timed_tokens, step)
+            self._report = None  # once
     def observe_autoregressive(self, tokens: int) -> None:
         self._fallback_tokens += tokens
 
@@ -237,21 +254,10 @@ class SessionController:
         """Why the session should stop speculating now, judged on the window; None to go on."""
         if self._probing:
             self._probing = False
-            self._report_stats()
             return self._verdict(self.stats(), strict=True) if self._adaptive else None
-        if self._stretch_rounds < self.config.warmup_rounds:
-            return None
-        if not self._reported:
-            self._reported = True
-            self._report_stats()
-        if not self._adaptive:
+        if not self._adaptive or self._stretch_rounds < self.config.warmup_rounds:
             return None
         return self._verdict(self.stats(), strict=False)
-
-    def _report_stats(self) -> None:
-        stats, step = self.stats(), self._timer.step_s
-        if self._report is not None and stats.seconds_per_token is not None and step is not None:
-            self._report(stats.seconds_per_token, step)
 
     def _verdict(self, stats: WindowStats, strict: bool) -> str | None:
         """A reason to fall back, or None. ``strict`` (a probe deciding whether to come back)

@@ -178,6 +178,8 @@ class Generation:
             self._stream.cancel()
         release = self._deps.background.spawn(self._release(self.session_id)) if self._may_hold_session else None
         metrics = self._deps.metrics
+        if self._controller is not None and not self._failed:
+            self._controller.finish()  # what speculation gave this session, for the temperature prior
         if self._mode is not None:
             metrics.sessions_active.labels(mode=self._mode.value).dec()
             self._deps.active_sessions -= 1

@@ -4,15 +4,15 @@ Whether speculation pays at a temperature depends on the host, the models and th
 distributions flatten, fewer drafts are accepted, while the price of a round stays. A fixed cut
 ("decode autoregressively above 0.8") throws away a measured speedup where speculation still pays
 (and OpenAI's SDKs send 1.0 unless told otherwise). So ``auto`` speculates from the start at any
-temperature, and every session that speculates long enough to be judged (its adaptive controller's
-first verdict after the warm-up, or a probe) reports what it measured: its seconds per committed
-token over the target's seconds per autoregressive step. Ratios below 1 mean speculation paid.
+temperature, and every session that speculated for at least a warm-up's worth of rounds reports,
+as it ends, what it measured: its seconds per committed token while speculating over the target's
+seconds per autoregressive step. Ratios below 1 mean speculation paid.
 
 :class:`TemperaturePrior` keeps an exponential average of those ratios per temperature band. A new
 session at a band whose average says speculation is slower (above ``1 + margin`` over at least
 ``min_sessions`` reports) starts autoregressively, reason ``prior_slower``; one session in
-``explore_every`` of those speculates anyway, and fallen-back sessions still probe, so the prior
-follows the host and the traffic instead of freezing on its first verdict.
+``explore_every`` of those speculates anyway (and held-back sessions still probe later), so the
+prior follows the host and the traffic instead of freezing on its first verdict.
 """
 
 from __future__ import annotations

@@ -69,3 +69,14 @@ async def test_stream_smoothing_override_keeps_text_and_usage(tokenizer, tiny_di
     assert raw_usage == paced_usage
     # Raw: one chunk per round of K // 2 + 1 tokens; paced: one chunk per printable token.
     assert len(paced_chunks) > len(raw_chunks)
+
+
+async def test_a_finished_session_reports_to_the_temperature_prior(tokenizer, tiny_dir):
+    """What speculation gave a session reaches gateway.prior, whose average the gateway exports."""
+    async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.002) as stack:
+        await completion(stack, {"temperature": 0, "max_tokens": 20, "speculation": "off"})  # times a step
+        assert stack.metric("tandem_speculation_prior_ratio", temperature="0") == 0  # plain decoding reports nothing
+        answer = await completion(stack, {"temperature": 0, "max_tokens": 60})
+        assert answer["usage"]["speculative_decoding"]["rounds"] >= 4
+        await stack.wait_until_idle()
+        assert stack.metric("tandem_speculation_prior_ratio", temperature="0") > 0
