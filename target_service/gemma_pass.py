@@ -107,7 +107,6 @@ class GemmaPass:
         self.eps = float(config.rms_norm_eps)
         self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         self.head_dim = int(config.head_dim)
-        self.hidden_size = int(config.hidden_size)
         self.embed = inner.embed_tokens
         self.lm_head = model.lm_head
         self.softcap = config.final_logit_softcapping
