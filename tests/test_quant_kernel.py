@@ -116,10 +116,16 @@ def test_kernel_refuses_malformed_arguments(kernel) -> None:
         kernel.matmul(torch.randn(2, 96), weight)
 
 
-def test_the_build_is_cached_in_the_tandem_cache(kernel) -> None:
+@pytest.mark.parametrize("kind", ["", "attention", "decoder"])
+def test_the_build_is_cached_in_the_tandem_cache(kernel, kind: str) -> None:
+    """The product kernel, the row attention and the decoder ops each in their own folder there."""
     assert kernel.isa in NEEDS
-    folders = list((native_cache() / "kernels").glob(f"qmatmul-{kernel.isa}-*"))
-    assert folders and any(any(folder.glob("*.so")) for folder in folders)
+    if kind == "attention":
+        native.load_row_attention(kernel.isa)
+    elif kind == "decoder":
+        native.load_decoder_ops(kernel.isa)
+    folder = native.build_folder(kernel.isa, kind)
+    assert folder.parent == native_cache() / "kernels" and any(folder.glob("*.so"))
 
 
 def native_cache() -> Path:

@@ -189,10 +189,14 @@ def _load_ops(isa: str, kind: str):
     return _OPS[isa, kind]
 
 
-def _build(isa: str, kind: str = "") -> str:
-    """Compiles (or finds) the ``isa`` build of a kernel and loads it into torch.ops; returns what it did."""
-    from torch.utils import cpp_extension
+def build_folder(isa: str, kind: str = "") -> Path:
+    """Where the ``isa`` build of a source (``kind``: a key of SOURCES; default the product kernel
+    ``isa`` runs) lives in the tandem cache: one folder per source, flags, header and torch install."""
+    return _build_plan(isa, kind)[3]
 
+
+def _build_plan(isa: str, kind: str = "") -> tuple[str, Path, list[str], Path, str]:
+    """(library, source, flags, folder, digest) of a build."""
     from tandem.models import cache_dir
 
     kind = kind or ("int8" if isa in INT8_ISAS else "float32")
@@ -204,7 +208,14 @@ def _build(isa: str, kind: str = "") -> str:
     key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), *flags])
     headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what the sources include
     digest = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:12]
-    folder = cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}"
+    return library, source, flags, cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}", digest
+
+
+def _build(isa: str, kind: str = "") -> str:
+    """Compiles (or finds) the ``isa`` build of a kernel and loads it into torch.ops; returns what it did."""
+    from torch.utils import cpp_extension
+
+    library, source, flags, folder, digest = _build_plan(isa, kind)
     folder.mkdir(parents=True, exist_ok=True)
     cached = any(folder.glob("*.so"))
     cpp_extension.load(
