@@ -6,10 +6,11 @@ same over both APIs. The HTTP body is OpenAI's error JSON:
 
 Status choices (documented once, here):
 
-* bad input of any kind (malformed JSON, wrong types, missing fields, out-of-range values, an
-  unknown model) is **400** ``invalid_request_error`` / ``INVALID_ARGUMENT``. An unknown model is
-  400 with code ``model_not_found`` (DESIGN §4.3 fixes 400/422 for bad input; OpenAI itself
-  answers 404 here). 422 is never used.
+* bad input of any kind (malformed JSON, wrong types, missing fields, out-of-range values) is
+  **400** ``invalid_request_error`` / ``INVALID_ARGUMENT``; 422 is never used.
+* an unknown model is **404** ``invalid_request_error`` with code ``model_not_found``, as OpenAI's
+  API and vLLM answer it (DESIGN §4.3; the SDKs raise their NotFoundError); over gRPC it is bad
+  input like the rest, ``INVALID_ARGUMENT``.
 * too many requests in flight is **429** / ``RESOURCE_EXHAUSTED``.
 * an unreachable upstream (target or draft service), or a gateway that is shutting down, is
   **503** / ``UNAVAILABLE``; any other upstream failure is **502** / ``INTERNAL``.
@@ -50,6 +51,15 @@ class InvalidRequest(GatewayError):
     http_status = 400
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     error_type = "invalid_request_error"
+
+
+class ModelNotFound(InvalidRequest):
+    """A request for a model this server does not serve."""
+
+    http_status = 404
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model", code="model_not_found")
 
 
 class Overloaded(GatewayError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from gateway.chat_template import ChatMessage, ChatTemplateError
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, Sampling, Smoothing, Speculation
 from gateway.served_model import ServedModel
 
@@ -85,11 +85,7 @@ class RequestValidator:
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self._model.name:
-            raise InvalidRequest(
-                f"the model {model!r} does not exist; this server serves {self._model.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self._model.name!r}")
 
     def _sampling(self, fields: RequestFields) -> Sampling:
         temperature = 1.0 if fields.temperature is None else fields.temperature

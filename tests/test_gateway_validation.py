@@ -66,13 +66,13 @@ def test_bad_input_is_refused_with_a_message_naming_the_field(validator, fields,
         validator.validate(fields)
     assert info.value.param == param
     assert phrase in info.value.message
-    assert info.value.http_status == 400
+    assert info.value.http_status == (404 if param == "model" else 400)  # an unknown model: not found
 
 
 def test_unknown_model_has_openai_code(validator):
     with pytest.raises(InvalidRequest) as info:
         validator.validate(prompt(model="gpt-4"))
-    assert info.value.code == "model_not_found"
+    assert info.value.code == "model_not_found" and info.value.http_status == 404
 
 
 def test_defaults(validator):
