@@ -207,6 +207,7 @@ class SessionController:
         ):
             self._report(self._timed_seconds / self._timed_tokens, step)
             self._report = None  # once
+
     def observe_autoregressive(self, tokens: int) -> None:
         self._fallback_tokens += tokens
 

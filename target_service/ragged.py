@@ -55,6 +55,8 @@ class RaggedCache:
     specs: dict[int, TreeSpec] = field(default_factory=dict)
     # attend row by row, each over exactly the keys an autoregressive step at its position sees (see forward)
     row_exact: bool = False
+    # (session, window) -> the native row attention's key ranges (_row_ranges): once per pass, not per layer
+    row_plans: dict[tuple, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def tree(self, session: int) -> tuple[int, ...] | None:
         return self.trees[session] if self.trees else None
@@ -208,7 +210,7 @@ def _ragged_attention(inner: str) -> Callable:
             tree = ragged.tree(session)
             mask = None
             if wants_mask and ragged.row_exact:
-                out = _rows_alone(q, keys, values, window, tree, kwargs)  # [1, n, heads, head_dim]
+                out = _rows_alone(q, keys, values, window, tree, kwargs, ragged.row_plans, (session, window))
             elif wants_mask:
                 if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
                     keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
@@ -227,37 +229,28 @@ def _ragged_attention(inner: str) -> Callable:
     return attention
 
 
-def _rows_alone(query, keys, values, window, tree, kwargs) -> torch.Tensor:
+def _rows_alone(query, keys, values, window, tree, kwargs, plans: dict | None = None, key=None) -> torch.Tensor:
     """Each row of ``query`` [1, heads, n, head_dim] attended alone over its visible keys of
     ``keys``/``values`` [1, kv_heads, cached + n, head_dim]: the cache, then the new rows up to
     itself (its path in a tree), the last ``window`` of them; the same computation a one-token
     step at that position makes (the native ``row_attention`` where it is built, else
-    :func:`_attend_one` per row)."""
+    :func:`_attend_one` per row); -> [1, n, heads, head_dim]. ``plans[key]`` keeps the native call's
+    key ranges (:func:`_row_ranges`), the same for every layer of a pass with this window."""
     size = query.shape[2]
     cached = keys.shape[2] - size
-    paths = _paths(tree, size)
     native = _native_attention()
     if native is not None and query.dtype == torch.float32 and query.shape[-1] % 16 == 0:
-        lo, hi, extra, count = [], [], [], []
-        for row in range(size):
-            contiguous = tree is None or paths[row] == list(range(row + 1))
-            path = [] if contiguous else [cached + node for node in paths[row]]
-            end = cached + row + 1 if contiguous else cached
-            total = end + len(path)
-            start = max(0, total - window) if window else 0
-            dropped_path = max(0, start - end)  # the window reaches into the path only past its start
-            lo.append(min(start, end))
-            hi.append(end)
-            extra.append(path[dropped_path:])
-            count.append(len(path) - dropped_path)
-        width = max(1, max(count))
-        index = torch.zeros(size, width, dtype=torch.long)
-        for row, nodes in enumerate(extra):
-            index[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long) if nodes else index[row, :0]
+        ranges = plans.get(key) if plans is not None else None
+        if ranges is None:
+            ranges = _row_ranges(cached, size, window, tree)
+            if plans is not None:
+                plans[key] = ranges
+        lo, hi, index, count = ranges
         out = native(query[0].transpose(0, 1).contiguous(), keys[0].contiguous(), values[0].contiguous(),
-                     torch.tensor(lo), torch.tensor(hi), index, torch.tensor(count),
+                     lo, hi, index, count,
                      float(kwargs.get("scaling") or query.shape[-1] ** -0.5), float(kwargs.get("softcap") or 0.0))
         return out[None]  # [1, n, heads, head_dim]
+    paths = _paths(tree, size)
     outputs = []
     for row in range(size):
         if tree is None or paths[row] == list(range(row + 1)):  # a chain prefix: the keys as they are
@@ -269,6 +262,28 @@ def _rows_alone(query, keys, values, window, tree, kwargs) -> torch.Tensor:
             k, v = k[:, :, -window:], v[:, :, -window:]
         outputs.append(_attend_one(query[:, :, row : row + 1], k, v, kwargs))
     return torch.cat(outputs, dim=1)
+
+
+def _row_ranges(cached: int, size: int, window: int | None, tree) -> tuple[torch.Tensor, ...]:
+    """The native row attention's keys per row: (lo, hi [n], extra [n, E], count [n]) int64 (see
+    row_attention.cpp): cache positions [lo, hi), then ``extra[:count]`` (a tree path off the chain)."""
+    paths = _paths(tree, size)
+    lo, hi, extra, count = [], [], [], []
+    for row in range(size):
+        contiguous = tree is None or paths[row] == list(range(row + 1))
+        path = [] if contiguous else [cached + node for node in paths[row]]
+        end = cached + row + 1 if contiguous else cached
+        total = end + len(path)
+        start = max(0, total - window) if window else 0
+        dropped_path = max(0, start - end)  # the window reaches into the path only past its start
+        lo.append(min(start, end))
+        hi.append(end)
+        extra.append(path[dropped_path:])
+        count.append(len(path) - dropped_path)
+    index = torch.zeros(size, max(1, max(count)), dtype=torch.long)
+    for row, nodes in enumerate(extra):
+        index[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long) if nodes else index[row, :0]
+    return torch.tensor(lo), torch.tensor(hi), index, torch.tensor(count)
 
 
 _NATIVE: list = []
