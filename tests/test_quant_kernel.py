@@ -14,11 +14,7 @@ from tandem.quant.native import KernelUnavailable, cpu_flags, load_kernel, probe
 from tandem.quant.tensor import TILES, QuantizedTensor, pack, stack, stackable
 
 FLAGS = cpu_flags()
-NEEDS = {
-    "avx2": {"avx2", "fma", "f16c"},
-    "avx512": {"avx512f", "avx512bw", "avx2", "fma", "f16c"},
-    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
-}
+NEEDS = native.CPU_FLAGS_NEEDED
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(not needs <= FLAGS, reason=f"this CPU lacks {sorted(needs - FLAGS)}"))
     for isa, needs in NEEDS.items()

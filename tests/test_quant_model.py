@@ -17,7 +17,7 @@ from tandem.quant import checkpoint
 from tandem.quant import reference as quant_reference
 from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
 from tandem.quant.modules import DENSE_ROWS, QuantEmbedding, QuantLinear
-from tandem.quant.native import QuantKernel, cpu_flags, load_kernel  # noqa: F401
+from tandem.quant.native import QuantKernel, load_kernel, runs_here
 from target_service.api import OK, DraftBlock
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
@@ -37,11 +37,8 @@ def blocks_file(tmp_path: Path) -> Path:
 
 # Both kinds of kernel, each where this CPU runs it: float32 activations (the AVX2 build) and int8
 # activations (the AVX-512 VNNI build).
-KERNELS = [
-    pytest.param("avx2", marks=pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="no AVX2")),
-    pytest.param("avx512vnni", marks=pytest.mark.skipif(
-        not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags(), reason="this CPU lacks AVX-512 VNNI")),
-]
+KERNELS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
+           for isa in ("avx2", "avx512vnni")]
 
 
 @pytest.fixture(params=KERNELS)

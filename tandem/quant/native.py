@@ -49,7 +49,14 @@ ISA_FLAGS = {
 INT8_ISAS = ("avx512vnni",)  # builds of qmatmul_vnni.cpp (int8 activations, TILES layout)
 # PyTorch stand-ins of each kind, for tests: QuantKernel("reference") and QuantKernel("reference-int8").
 REFERENCES = {"reference": "float32", "reference-int8": "int8"}
-CPU_FLAGS_NEEDED = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
+# What the probe adds to an AVX-512 capability before it picks the VNNI build.
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+# The CPU flags each build's instructions need (/proc/cpuinfo names; runs_here).
+CPU_FLAGS_NEEDED = {
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
 # torch.backends.cpu.get_cpu_capability() -> the build that runs on it ("DEFAULT", "VSX", ...: none).
 CAPABILITY_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
 MAX_ROWS = 8  # rows the kernel multiplies per pass over a weight (MAX_ROWS in qmatmul.cpp)
@@ -102,9 +109,14 @@ def probe() -> tuple[str | None, str]:
         raise ValueError(f"{ENV} must be auto, avx512vnni, avx512, avx2 or none, got {wanted!r}")
     capability = torch.backends.cpu.get_cpu_capability()
     isa = CAPABILITY_ISA.get(capability)
-    if isa == "avx512" and CPU_FLAGS_NEEDED["avx512vnni"] <= cpu_flags():
+    if isa == "avx512" and VNNI_FLAGS <= cpu_flags():
         return "avx512vnni", f"CPU capability {capability} with VNNI"
     return isa, f"CPU capability {capability}"
+
+
+def runs_here(isa: str) -> bool:
+    """Whether this CPU has every instruction the ``isa`` build uses."""
+    return CPU_FLAGS_NEEDED[isa] <= cpu_flags()
 
 
 def cpu_flags() -> set[str]:
