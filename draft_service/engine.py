@@ -152,6 +152,12 @@ class DraftEngine:
             async for result in loop.rounds():
                 if result.verified:
                     self._metrics.record_round(result.num_draft_tokens, result.num_accepted)
+                    self._metrics.record_phases(
+                        result.propose_seconds,
+                        result.verify_seconds,
+                        result.exchange_seconds - result.verify_seconds,
+                        result.round_seconds - result.propose_seconds - result.exchange_seconds,
+                    )
                 committed.extend(result.token_ids)
                 finish_reason = result.finish_reason
                 yield result

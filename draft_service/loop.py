@@ -119,7 +119,9 @@ class SpeculationLoop:
                 sources = tuple(self._source_prefix + source for source in proposal.sources)
                 proposal = proposal.cut(self._lengths.length(sources, self.acceptance))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
+            asked = self._clock()
             verdict = await self._verify(base_len, proposal)
+            answered = self._clock()
             if verdict.status is VerdictStatus.STALE:
                 self._on_stale(verdict)
                 continue
@@ -159,6 +161,8 @@ class SpeculationLoop:
                 round_seconds=self._clock() - started,
                 verify_seconds=verdict.verify_seconds,
                 num_draft_positions=proposal.positions,
+                propose_seconds=proposed - started,
+                exchange_seconds=answered - asked,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

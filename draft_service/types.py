@@ -158,6 +158,8 @@ class RoundResult:
     verify_seconds: float
     verified: bool = True  # False for the closing result of a FINISHED verdict (no block verified)
     num_draft_positions: int = 0  # the block's Proposal.positions (num_draft_tokens for a chain)
+    propose_seconds: float = 0.0  # of round_seconds: the proposer's work (model-thread hop included)
+    exchange_seconds: float = 0.0  # of round_seconds: the Verify round trip (verify_seconds within it)
 
 
 @dataclass(frozen=True)

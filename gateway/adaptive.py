@@ -9,6 +9,15 @@ window of the session's recent rounds and, after a warm-up, falls back when
 * the measured time per committed token exceeds the target's step time by more than the
   hysteresis margin (reason ``slower_than_autoregressive``).
 
+A window of a few rounds says little on its own, and a session's first rounds are its worst
+(prompt lookup has no output to copy yet, the feature-conditioned head waits for its first
+feature): judged on them alone, sessions that paid over their whole length fell back after their
+first leg. So the time rule weighs the window against what the server has measured at the
+session's temperature (``gateway.prior``: speculative time per token over the step, averaged
+over finished sessions), counted as ``prior_tokens`` committed tokens at that ratio; before the
+server has measured anything, at break-even. The window must outweigh that evidence to move the
+session, in either direction.
+
 Acceptance here is accepted drafts over the drafts that could have been accepted (the draft's
 ``num_draft_positions``): a chain's length, but only the deepest root path of a token tree, of
 which one path at most is accepted. Counted per node, a five-node tree spanning three positions
@@ -68,6 +77,8 @@ class AdaptiveConfig:
     min_acceptance: float = 0.05
     # Relative margin between the bar to leave speculation and the bar to come back.
     hysteresis: float = 0.1
+    # Committed tokens' worth of weight of the server's measured ratio in the time rule.
+    prior_tokens: int = 16
     # A speculative leg lasts about this many rounds once the session is past its warm-up.
     segment_rounds: int = 16
     min_segment_tokens: int = 8
@@ -83,6 +94,7 @@ class AdaptiveConfig:
             warmup_rounds=settings.fallback_warmup_rounds,
             min_acceptance=settings.fallback_min_acceptance,
             hysteresis=settings.fallback_hysteresis,
+            prior_tokens=settings.fallback_prior_tokens,
             reprobe_after_tokens=settings.fallback_reprobe_tokens,
             probe_tokens=settings.fallback_probe_tokens,
         )
@@ -149,6 +161,8 @@ class WindowStats:
     acceptance: float | None  # accepted / acceptable drafts; None when no round drafted anything
     seconds_per_token: float | None  # None when no round was timed
     tokens_per_round: float
+    timed_seconds: float = 0.0  # over the timed rounds
+    timed_tokens: int = 0  # committed by the timed rounds
 
 
 class SessionController:
@@ -164,11 +178,13 @@ class SessionController:
         can_speculate: Callable[[], bool],
         adaptive: bool = True,
         report: Callable[[float, float], None] | None = None,
+        prior_ratio: Callable[[], float | None] = lambda: None,
     ) -> None:
         """``can_speculate``: whether the draft's breaker and the server's load allow it now;
         ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement);
         ``report(seconds_per_token, step_seconds)``: told at :meth:`finish` what speculation gave the
-        session over all its timed rounds (the temperature prior, gateway.prior)."""
+        session over all its timed rounds (the temperature prior, gateway.prior); ``prior_ratio()``:
+        that prior's current ratio at the session's temperature (None while it has too few reports)."""
         self.config = config
         self._timer = timer
         self._policy = policy
@@ -182,6 +198,7 @@ class SessionController:
         self._fallback_tokens = 0
         self._reprobe_after = config.reprobe_after_tokens
         self._report = report
+        self._prior_ratio = prior_ratio
         self._timed_seconds = 0.0  # over every timed speculative round of the session
         self._timed_tokens = 0
         self._timed_rounds = 0
@@ -221,9 +238,32 @@ class SessionController:
             acceptance=sum(r.accepted for r in rounds) / acceptable if acceptable else None,
             seconds_per_token=sum(r.seconds for r in timed) / timed_tokens if timed_tokens else None,
             tokens_per_round=sum(r.committed for r in rounds) / len(rounds) if rounds else 1.0,
+            timed_seconds=sum(r.seconds for r in timed),
+            timed_tokens=timed_tokens,
         )
 
+    def judged_seconds_per_token(self, stats: WindowStats, step: float) -> float | None:
+        """The window's time per committed token weighed with the server's prior (module doc)."""
+        if not stats.timed_tokens:
+            return None
+        weight = self.config.prior_tokens
+        ratio = self._prior_ratio()
+        prior_seconds = weight * (1.0 if ratio is None else ratio) * step
+        return (stats.timed_seconds + prior_seconds) / (stats.timed_tokens + weight)
+
     # -- decisions -----------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """The window the last decision read, for the log line of a switch."""
+        stats, step = self.stats(), self._timer.step_s
+        parts = [f"{stats.rounds} rounds, {stats.tokens_per_round:.2f} tokens a round"]
+        if stats.acceptance is not None:
+            parts.append(f"acceptance {stats.acceptance:.2f}")
+        if stats.seconds_per_token is not None and step is not None:
+            judged = self.judged_seconds_per_token(stats, step)
+            parts.append(f"{1000 * stats.seconds_per_token:.1f} ms a token ({1000 * judged:.1f} with the prior) "
+                         f"against a {1000 * step:.1f} ms step")
+        return ", ".join(parts)
 
     def fall_back(self, reason: str) -> Decision:
         """Forced switch to autoregressive decoding (the draft failed)."""
@@ -270,9 +310,10 @@ class SessionController:
         if stats.acceptance is not None and stats.acceptance < min_acceptance:
             return LOW_ACCEPTANCE
         step = self._timer.step_s
-        if stats.seconds_per_token is not None and step is not None:
+        judged = None if step is None else self.judged_seconds_per_token(stats, step)
+        if judged is not None:
             max_seconds = step / (1 + h) if strict else step * (1 + h)
-            if stats.seconds_per_token > max_seconds:
+            if judged > max_seconds:
                 return SLOWER_THAN_AUTOREGRESSIVE
         return None
 

@@ -118,6 +118,7 @@ class Generation:
             can_speculate=lambda: deps.can_speculate() and not deps.policy.saturated(deps.active_sessions - 1),
             adaptive=self.request.speculation is Speculation.AUTO,
             report=partial(deps.policy.prior.observe, self.request.sampling.temperature),
+            prior_ratio=partial(deps.policy.prior.ratio, self.request.sampling.temperature),
         )
         self._enter(decision)
         self._may_hold_session = True
@@ -213,9 +214,9 @@ class Generation:
             self._stats.fallback_reason = decision.fallback_reason
             self._stats.fallbacks += decision.fallback_reason != SPECULATION_OFF  # the client's choice is no fallback
             self._deps.metrics.session_fallbacks.labels(reason=decision.fallback_reason).inc()
-            log.info("session %s %s autoregressively (%s) after %d tokens", self.session_id,
+            log.info("session %s %s autoregressively (%s) after %d tokens%s", self.session_id,
                      "switches to decoding" if switched else "decodes", decision.fallback_reason,
-                     len(self._completion))
+                     len(self._completion), f" ({self._controller.describe()})" if switched else "")
         elif switched:
             log.info("session %s probes speculation again after %d tokens", self.session_id, len(self._completion))
         if decision.fallback_reason or switched:  # telemetry: the switch as an event on the request's span

@@ -186,6 +186,11 @@ class GatewaySettings(_Base):
     fallback_window_rounds: int = Field(8, ge=1, description="rounds the fallback decision looks at")
     fallback_warmup_rounds: int = Field(4, ge=1, description="rounds before the first fallback decision")
     fallback_hysteresis: float = Field(0.1, ge=0.0, description="relative margin to switch back to speculation")
+    fallback_prior_tokens: int = Field(
+        16, ge=0,
+        description="committed tokens' worth of weight the server's measured speculation ratio at the session's "
+        "temperature (or break-even, before it has one) adds to a session's own window when judging its speed",
+    )
     fallback_reprobe_tokens: int = Field(64, ge=1, description="tokens in fallback before a speculative probe")
     fallback_probe_tokens: int = Field(12, ge=1, description="tokens a speculative probe may commit")
     fallback_max_temperature: float | None = Field(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -23,6 +24,7 @@ class Metrics:
     num_accepted_tokens_per_pos: Counter
     acceptance_rate: Gauge
     verify_duration: Histogram
+    round_phase: Histogram
     pass_sessions: Histogram
     time_to_first_token: Histogram
     inter_token_latency: Histogram
@@ -42,6 +44,11 @@ class Metrics:
         drafted = self.num_draft_tokens._value.get()
         if drafted:
             self.acceptance_rate.set(self.num_accepted_tokens._value.get() / drafted)
+
+    def record_phases(self, propose: float, verify: float, transport: float, other: float) -> None:
+        """One verified round's wall time by phase (``tandem_round_phase_seconds``)."""
+        for phase, seconds in (("propose", propose), ("verify", verify), ("transport", transport), ("other", other)):
+            self.round_phase.labels(phase=phase).observe(max(0.0, seconds))
 
     def record_prior(self, band: str, ratio: float) -> None:
         """The temperature prior's average for ``band`` (gateway.prior calls this after each report)."""
@@ -67,6 +74,15 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
         ),
         verify_duration=Histogram(
             "tandem_verify_duration_seconds", "Time to verify one draft block", buckets=_LATENCY_BUCKETS, registry=reg
+        ),
+        round_phase=Histogram(
+            "tandem_round_phase_seconds",
+            "Where a speculation round's wall time goes, as the draft sees it: propose (the proposer's "
+            "work, thread hops included), verify (the target's pass, as its verdict reports it), "
+            "transport (the Verify round trip beyond that pass) and other (the rest of the round)",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=reg,
         ),
         pass_sessions=Histogram(
             "tandem_target_pass_sessions",

@@ -122,6 +122,15 @@ async def test_speculate_streams_the_targets_greedy_tokens(hf_draft, fake_target
     assert {r.tokenizer_fingerprint for r in sent} == {fake_target.service.fingerprint}
     assert metrics.num_drafts._value.get() == len(responses)
     assert metrics.num_draft_tokens._value.get() == sum(r.num_draft_tokens for r in responses)
+    # Each verified round's wall time by phase; together they make up the round as the draft timed it.
+    phases = {sample.labels["phase"]: sample.value for metric in metrics.round_phase.collect()
+              for sample in metric.samples if sample.name.endswith("_sum")}
+    counts = {sample.labels["phase"]: sample.value for metric in metrics.round_phase.collect()
+              for sample in metric.samples if sample.name.endswith("_count")}
+    assert set(phases) == {"propose", "verify", "transport", "other"}
+    assert set(counts.values()) == {len(responses)}
+    assert phases["propose"] > 0 and phases["transport"] > 0
+    assert sum(phases.values()) == pytest.approx(sum(r.round_seconds for r in responses), rel=0.05)
     assert active(metrics) == 0
     assert fake_target.service.released == []  # a finished session is the target's to free
 

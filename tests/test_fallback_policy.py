@@ -120,6 +120,36 @@ def test_slower_than_the_target_alone_falls_back():
     assert c.next_leg()[1] == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
 
 
+def test_the_time_rule_weighs_the_window_against_the_servers_measured_ratio():
+    # 20 tokens at 0.07 s each against a 0.05 s step: 40% slower over the window.
+    def judged(prior_ratio, prior_tokens=16, seconds_per_token=0.07):
+        config = AdaptiveConfig(**{**CONFIG.__dict__, "prior_tokens": prior_tokens})
+        timer = StepTimer(alpha=1.0)
+        timer.observe_step(0.05)
+        c = SessionController(config, timer, Decision(SPEC), policy=SpeculationPolicy(), can_speculate=lambda: True,
+                              prior_ratio=lambda: prior_ratio)
+        for _ in range(4):
+            c.observe_round(good(seconds=5 * seconds_per_token))
+        return c
+
+    # Before the server has measured anything the prior is break-even: (1.4 + 16 x 0.05) / 36 s a
+    # token, 22% over the step, past the 10% margin.
+    unknown = judged(None)
+    assert unknown.judged_seconds_per_token(unknown.stats(), 0.05) == pytest.approx((1.4 + 0.8) / 36)
+    assert unknown.next_leg()[1] == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
+    # Where finished sessions measured speculation at half the step's time, the same window is a
+    # session's slow start: (1.4 + 16 x 0.025) / 36 = the step itself.
+    assert judged(0.5).next_leg()[1] is None
+    # Weightless, the window alone decides, as it did before the prior.
+    assert judged(0.5, prior_tokens=0).next_leg()[1] == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
+    # A window at the step's own speed stays, unless the server's sessions measured speculation
+    # slower there: (1.0 + 16 x 0.08) / 36 s a token.
+    assert judged(None, seconds_per_token=0.05).next_leg()[1] is None
+    slower_here = judged(1.6, seconds_per_token=0.05)
+    assert "63.3 with the prior" in slower_here.describe()
+    assert slower_here.next_leg()[1] == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
+
+
 def test_a_small_slowdown_within_the_margin_does_not_switch():
     c = controller(step_s=0.05)
     for _ in range(4):

@@ -53,8 +53,11 @@ def target_probs(
     else:
         probs = torch.softmax(scaled, dim=-1)  # [batch, n, vocab]
 
-    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [batch, n, vocab]
-    return torch.where(greedy[:, None, None], one_hot, probs)  # [batch, n, vocab]
+    if bool(greedy.any()):
+        # Only greedy rows become one-hot: a batch of sampled requests skips a vocabulary-sized select.
+        argmax = logits[greedy].argmax(dim=-1, keepdim=True)  # [greedy rows, n, 1]
+        probs[greedy] = torch.zeros_like(probs[greedy]).scatter_(-1, argmax, 1.0)
+    return probs  # [batch, n, vocab]
 
 
 WINDOW = 2048  # candidates a truncated softmax looks at first (see _windowed_truncation)

@@ -67,21 +67,22 @@ def verify_chain(
         return num_accepted, argmax.gather(1, num_accepted[:, None])[:, 0]
 
     p = target_probs(target_logits, temperature, top_p, top_k)  # [batch, k+1, vocab]
-    # q has no row k: the bonus position has no draft token; a zero row there keeps indexing uniform.
-    q = torch.zeros(batch, k_plus_1, vocab, dtype=torch.float32, device=device)  # [batch, k+1, vocab]
-    q[:, :k].scatter_add_(-1, q_ids, q_probs.float())
-
     draft_index = draft_token_ids[..., None]  # [batch, k, 1]
     p_draft = p[:, :k].gather(-1, draft_index)[..., 0]  # [batch, k]
-    q_draft = q[:, :k].gather(-1, draft_index)[..., 0]  # [batch, k]
+    # q is sparse: q_j(d_{j+1}) sums its entries on the draft token; no dense q is built.
+    q_draft = ((q_ids == draft_index) * q_probs.float()).sum(dim=-1)  # [batch, k]
     sampled_ok = (p_draft > 0) & (uniforms.float() * q_draft <= p_draft)  # [batch, k]
     ok = torch.where(greedy[:, None], greedy_ok, sampled_ok) & present  # [batch, k]
     num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
 
-    # The row of the recovered (first rejection) or bonus (all accepted) token.
+    # The row of the recovered (first rejection) or bonus (all accepted) token. A bonus row draws
+    # from p alone, so q's row is read at the first rejection only (clamped where there is none).
     row = num_accepted[:, None, None].expand(batch, 1, vocab)  # [batch, 1, vocab]
     p_row = p.gather(1, row)[:, 0]  # [batch, vocab]
-    q_row = q.gather(1, row)[:, 0]  # [batch, vocab]
+    q_row = torch.zeros(batch, vocab, dtype=torch.float32, device=device)  # [batch, vocab]
+    if k > 0:
+        at = num_accepted.clamp(max=k - 1)[:, None, None].expand(-1, 1, q_ids.shape[-1])  # [batch, 1, m]
+        q_row.scatter_add_(-1, q_ids.gather(1, at)[:, 0], q_probs.float().gather(1, at)[:, 0])
     is_bonus = num_accepted == num_draft_tokens  # [batch]
     residual = torch.where(is_bonus[:, None], p_row, (p_row - q_row).clamp_min(0.0))  # [batch, vocab]
     # An all-zero residual means p == q on this row, where a rejection has probability 0; only
