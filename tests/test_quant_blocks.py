@@ -9,7 +9,7 @@ import torch
 
 from tandem.quant.gguf_blocks import READERS, to_quantized
 from tandem.quant.reference import dequantize
-from tandem.quant.tensor import pack, row_bytes, unpack
+from tandem.quant.tensor import ROWS, TILES, from_tiles, pack, row_bytes, to_tiles, unpack
 from tiny import _random_k_blocks
 
 NUMPY_QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these itself
@@ -60,3 +60,23 @@ def test_rows_select_output_rows() -> None:
     weight = to_quantized(raw, "Q5_1", (4, 64))
     index = torch.tensor([3, 1])
     assert torch.equal(dequantize(weight.rows(index)), dequantize(weight)[index])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q8_0", "Q4_K"])
+def test_rows_of_a_tiled_tensor_are_its_rows(type_name: str) -> None:
+    # The int8 kernel's 16-row tiles (a tied head is also the embedding): a lookup unpacks only
+    # the rows it asks for, in any order and with repeats.
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rows, width = 48, 512
+    if type_name in K_TYPES:
+        raw = _random_k_blocks(np.random.default_rng(1), rows, width, type_name)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((rows, width)).astype(np.float32), qtype)
+    weight = to_quantized(raw, type_name, (rows, width))
+    tiled = to_tiles(weight)
+    assert tiled.layout == TILES
+    index = torch.tensor([47, 0, 17, 17, 31, 16])
+    picked = tiled.rows(index)
+    assert picked.layout == ROWS and picked.shape == (len(index), width)
+    assert torch.equal(dequantize(picked), dequantize(weight)[index])
+    assert torch.equal(dequantize(from_tiles(tiled)), dequantize(weight))

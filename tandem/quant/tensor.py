@@ -60,7 +60,7 @@ class QuantizedTensor:
             picked = QuantizedTensor(self.packed.index_select(0, tiles), self.scale.index_select(0, tiles),
                                      None if self.mins is None else self.mins.index_select(0, tiles),
                                      self.group, self.bits, self.zero, self.source, TILES)
-            return from_tiles(picked).rows(torch.arange(len(index)) * TILE + index % TILE)
+            return from_tiles(picked, within=index % TILE)
         return QuantizedTensor(
             self.packed.index_select(0, index),
             self.scale.index_select(0, index),
@@ -158,8 +158,9 @@ def to_tiles(weight: QuantizedTensor) -> QuantizedTensor:
                            _tile_zero(weight), weight.source, TILES)
 
 
-def from_tiles(weight: QuantizedTensor) -> QuantizedTensor:
-    """The inverse of :func:`to_tiles`."""
+def from_tiles(weight: QuantizedTensor, within: torch.Tensor | None = None) -> QuantizedTensor:
+    """The inverse of :func:`to_tiles`; with ``within`` [tiles] only that row of each tile (one
+    tile per output row: an embedding lookup's rows, without unpacking the other fifteen)."""
     out, width = weight.shape
     tiles, groups, group = out // TILE, width // weight.group, weight.group
     packed = weight.packed.reshape(tiles, groups, -1)
@@ -172,9 +173,16 @@ def from_tiles(weight: QuantizedTensor) -> QuantizedTensor:
             words = packed[..., group * 8 :].contiguous().view(torch.int64).reshape(tiles, groups, group // 4, 1)
             fifth = (words >> torch.arange(64)) & 1  # [tiles, groups, group/4, 64]
             blocks = blocks | (fifth.reshape(tiles, groups, group // 4, TILE, 4).to(torch.int32) << 4)
+    zero = weight.zero - (128 if weight.bits == 8 else 0)
+    if within is not None:
+        picked = torch.arange(tiles)
+        values = blocks[picked, :, :, within].reshape(tiles, width) - (128 if weight.bits == 8 else 0)  # [tiles, in]
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[picked, :, within].contiguous()  # [tiles, groups]
+        return QuantizedTensor(torch.from_numpy(pack(values.numpy(), weight.bits)), pick(weight.scale),
+                               pick(weight.mins), group, weight.bits, zero, weight.source, ROWS)
     values = blocks.permute(0, 3, 1, 2, 4).reshape(out, width) - (128 if weight.bits == 8 else 0)  # [out, in]
     def transpose(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.transpose(1, 2).reshape(out, groups).contiguous()
-    zero = weight.zero - (128 if weight.bits == 8 else 0)
     return QuantizedTensor(torch.from_numpy(pack(values.numpy(), weight.bits)), transpose(weight.scale),
                            transpose(weight.mins), group, weight.bits, zero, weight.source, ROWS)
