@@ -24,6 +24,7 @@ A checkpoint is a directory::
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,18 @@ import torch
 from torch import nn
 
 from tandem.cpu_linear import few_row_linear, install_cpu_linears, pack_weight, packed_linear
+from tandem.quant.gguf_blocks import from_float
+from tandem.quant.modules import QuantLinear, product
+from tandem.quant.native import QuantKernel
+from tandem.quant.tensor import QuantizedTensor
 from tandem.models import BUILTIN_HEADS_DIR  # built-in target name -> its head's folder under tandem/data/eagle/
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "head.safetensors"
 ACCEPTANCE_FILE = "acceptance.json"  # optional: measured acceptance by draft source (draft_service.block_length)
+Q8_0_GROUP = 32  # inputs per Q8_0 block: a quantized head's layers take multiples of it
 # Past this many bytes of fp32 head rows (the L3 cache of a small CPU), few_row_linear beats F.linear.
 LARGE_HEAD_BYTES = 24 * 2**20
 
@@ -138,11 +146,12 @@ class EagleDrafter:
 
     ``dtype`` is what a step computes in. A step is one row per session, so it is bound by reading
     the head's weights and its reduced LM-head rows, and on a CPU it runs right after a target pass
-    has flushed the caches: in bfloat16 the whole working set is half as large. Measured on the
-    2-core CPU with the shipped head, 3 steps after a cache flush: 7.0 ms in fp32 with 16384 rows,
-    2.8 ms in bf16 with 8192 rows (``vocab_limit``: the most frequent 8192 target choices, which the
-    distill run measured to hold 97% of held-out choices against 98% for all 16384), before the
-    products went through oneDNN-packed weights, which halved them again.
+    has flushed the caches: every byte of the working set counts. In bfloat16 it is half of
+    float32's; with a quantized ``kernel`` (``tandem.quant``) the head's products and LM-head rows
+    are Q8_0 blocks, a byte per weight and a scale per 32 (the rows are the target's tied
+    embedding, which a Q8_0 GGUF holds in exactly that form), and the rest of the step is float32.
+    ``vocab_limit`` keeps the most frequent target choices only (the distill run measured the 8192
+    most frequent to hold 97% of held-out choices, all 16384 98%).
     """
 
     def __init__(
@@ -153,22 +162,44 @@ class EagleDrafter:
         *,
         dtype: torch.dtype = torch.float32,
         vocab_limit: int = 0,
+        kernel: QuantKernel | None = None,
     ) -> None:
         if vocab_limit < 0:
             raise ValueError(f"vocab_limit must be >= 0, got {vocab_limit}")
         keep = vocab_ids.numel() if vocab_limit == 0 else min(vocab_limit, vocab_ids.numel())
+        if kernel is not None and any(m.in_features % Q8_0_GROUP for m in head.mlp if isinstance(m, nn.Linear)):
+            log.info("eagle head: layer widths are not multiples of %d; steps in %s instead of Q8_0", Q8_0_GROUP, dtype)
+            kernel = None
+        if kernel is not None:
+            dtype = torch.float32  # around the quantized products
         self.head = head.eval().to(dtype)
         self.config = head.config
         self.dtype = dtype
+        self.kernel = kernel
         # The reduced vocabulary is ordered by how often the target chose each token, so a prefix
         # is the best set of its size.
         self.vocab_ids = vocab_ids[:keep]  # [reduced] int64, reduced index -> target id
         self.target = TargetTensors(embed=target.embed, head_rows=target.head_rows[:keep].to(dtype).contiguous())
+        self._quantized_rows: QuantizedTensor | None = None
+        self._packed_rows = None
+        if kernel is not None:
+            for name, module in list(self.head.mlp.named_children()):
+                if isinstance(module, nn.Linear):
+                    setattr(self.head.mlp, name, QuantLinear.from_linear(module, kernel))
+            self._quantized_rows = kernel.prepare(from_float(self.target.head_rows))
+            return
         # On a CPU both the head's layers and the LM-head rows compute through oneDNN-packed copies
         # (``tandem.cpu_linear``): half the time of a plain product, bf16 or float32.
         device = str(self.target.head_rows.device)
         install_cpu_linears(self.head, device, dtype)
         self._packed_rows = pack_weight(self.target.head_rows)  # None off the CPU or without oneDNN
+
+    @property
+    def weights(self) -> str:
+        """What a step reads its weights as, for logs: "Q8_0 (KERNEL)", "bfloat16", ..."""
+        if self.kernel is not None:
+            return f"Q8_0 ({self.kernel.isa})"
+        return str(self.dtype).removeprefix("torch.")
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # [b] -> [b, hidden] in the step's dtype
@@ -186,6 +217,8 @@ class EagleDrafter:
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:
         # predicted [b, hidden] -> [b, reduced] float32
+        if self._quantized_rows is not None:
+            return product(self.kernel, predicted.float().contiguous(), self._quantized_rows)
         if self._packed_rows is not None:
             return packed_linear(predicted, self._packed_rows).float()
         rows = self.target.head_rows  # [reduced, hidden]

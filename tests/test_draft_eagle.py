@@ -30,6 +30,8 @@ from tandem import eagle as eagle_module
 from tandem.config import DraftSettings
 from tandem.eagle import EagleConfig, EagleHead, load_head, save_head
 from tandem.models import ModelSpecError, is_eagle_draft, load_model, tokenizer_fingerprint
+from tandem.quant.modules import QuantLinear
+from tandem.quant.native import QuantKernel, probe
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service import convert
 from target_service.api import DraftBlock as TargetBlock
@@ -371,13 +373,44 @@ def test_bf16_steps_follow_the_fp32_head(llama, llama_head):
     torch.testing.assert_close(b16_feature.float(), f32_feature, atol=0.05 * float(f32_feature.abs().max()), rtol=0.05)
 
 
-def test_settings_choose_the_drafters_dtype_and_vocabulary(llama, llama_head):
-    """``--dtype auto`` means bf16 steps for an eagle head; ``--eagle-vocab`` limits its rows."""
+@pytest.mark.parametrize("isa", ["reference", "reference-int8"])
+def test_q8_0_steps_follow_the_fp32_head(llama, llama_head, isa):
+    """With a quantized kernel the head's layers and LM-head rows are Q8_0 blocks (a byte a weight):
+    logits and features stay close to fp32's, and every product goes through the kernel."""
+    fp32 = load_eagle(llama_head, llama, dtype=torch.float32)
+    q8 = load_eagle(llama_head, llama, kernel=QuantKernel(isa))
+    assert q8.drafter.weights == f"Q8_0 ({isa})" and q8.drafter.dtype == torch.float32
+    assert all(isinstance(m, QuantLinear) for m in q8.drafter.head.mlp if not isinstance(m, torch.nn.SiLU))
+    feature = torch.randn(4, 32)  # [b, hidden]
+    tokens = torch.tensor([40, 41, 42, 43])  # [b]
+    f32_feature, f32_logits = fp32.drafter.step(feature, tokens)
+    q8_feature, q8_logits = q8.drafter.step(feature, tokens)
+    assert q8_logits.dtype == torch.float32 and q8_logits.shape == f32_logits.shape
+    torch.testing.assert_close(q8_logits, f32_logits, atol=0.05 * float(f32_logits.abs().max()), rtol=0.05)
+    torch.testing.assert_close(q8_feature, f32_feature, atol=0.05 * float(f32_feature.abs().max()), rtol=0.05)
+
+
+def test_a_head_whose_widths_do_not_block_keeps_bf16(llama, tmp_path):
+    odd = make_head(tmp_path / "odd", llama, inner_size=48)  # Linear(48, 48): not a multiple of 32
+    proposer = load_eagle(odd, llama, kernel=QuantKernel("reference"))
+    assert proposer.drafter.kernel is None and proposer.drafter.weights == "bfloat16"
+
+
+def test_settings_choose_the_drafters_dtype_and_vocabulary(llama, llama_head, monkeypatch):
+    """``--dtype auto`` means Q8_0 steps for an eagle head on a CPU with a quantized kernel (the
+    probe's), bf16 steps without one; ``--eagle-vocab`` limits its rows."""
     info = target_info(llama)
     settings = DraftSettings(draft_model=str(llama_head), target_model=str(llama.hf_dir), device="cpu")
     assert settings.eagle_vocab == 4096
+    monkeypatch.setenv("TANDEM_QUANT_KERNEL", "none")
     proposer = make_proposer(settings, info)
-    assert proposer.drafter.dtype == torch.bfloat16 and proposer.drafter.vocab_ids.numel() == REDUCED
+    assert proposer.drafter.dtype == torch.bfloat16 and proposer.drafter.kernel is None
+    assert proposer.drafter.vocab_ids.numel() == REDUCED
+    monkeypatch.delenv("TANDEM_QUANT_KERNEL")
+    isa = probe()[0]
+    if isa is not None:  # every x86 host with AVX2 and a compiler
+        proposer = make_proposer(settings, info)
+        assert proposer.drafter.weights == f"Q8_0 ({isa})"
     settings = DraftSettings(
         draft_model=str(llama_head), target_model=str(llama.hf_dir), device="cpu", dtype="float32", eagle_vocab=16
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from tandem.models import (
 
 if TYPE_CHECKING:
     from draft_service.proposers.eagle import EagleProposer
+
+log = logging.getLogger(__name__)
 
 
 def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
@@ -93,19 +96,36 @@ def _load_eagle(spec: str, settings: DraftSettings, target: TargetInfo) -> Eagle
     from draft_service.proposers.eagle import EagleProposer
     from tandem.models import pick_device, pick_dtype, resolve
 
-    # A head step is a few MB of weights for one row, so its cost is reading them: bf16 halves that,
-    # on CPU as on CUDA ("auto"); the drafts it picks are measured to be as good (draft_replay).
+    # A head step is a few MB of weights for one row, so its cost is reading them: bf16 halves that
+    # ("auto"), and on a CPU with a quantized kernel (tandem.quant's probe) Q8_0 blocks halve it
+    # again; the drafts either picks are measured to be as good (benchmarks/draft_replay.py).
     dtype = "bfloat16" if settings.dtype == "auto" else pick_dtype(settings.dtype, "cpu")
+    device = pick_device(settings.device)
+    kernel = _head_kernel(device) if settings.dtype == "auto" else None
     return EagleProposer.load(
         eagle_head_dir(spec, settings.target_model),
         resolve(settings.target_model).hf_dir,
         target,
-        device=pick_device(settings.device),
+        device=device,
         draft_top_k=settings.draft_top_k,
         min_confidence=settings.eagle_min_confidence,
         dtype=getattr(torch, dtype),
         vocab_limit=settings.eagle_vocab,
+        kernel=kernel,
     )
+
+
+def _head_kernel(device: str):
+    """The quantized kernel a CPU head computes with, or None (bf16 then; the log says why)."""
+    if device != "cpu":
+        return None
+    from tandem.quant.native import KernelUnavailable, load_kernel
+
+    try:
+        return load_kernel()
+    except KernelUnavailable as error:
+        log.info("eagle head steps in bfloat16: %s", error)
+        return None
 
 
 __all__ = ["Proposer", "ProposerSession", "eagle_head_dir", "make_proposer"]

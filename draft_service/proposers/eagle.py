@@ -35,6 +35,7 @@ from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
 from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
+from tandem.quant.native import QuantKernel
 from tandem.eagle import (
     ACCEPTANCE_FILE,
     EagleConfig,
@@ -268,6 +269,7 @@ class EagleProposer(Proposer):
         min_confidence: float = 0.0,
         dtype: torch.dtype = torch.bfloat16,
         vocab_limit: int = 0,
+        kernel: QuantKernel | None = None,
     ) -> EagleProposer:
         """Loads a head directory and the target's embedding and reduced LM-head rows.
 
@@ -275,7 +277,8 @@ class EagleProposer(Proposer):
         ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
         the head RMS-normalises the rows it looks up, so the rounding is immaterial). ``dtype`` and
         ``vocab_limit`` are the drafter's (``tandem.eagle.EagleDrafter``): steps in bf16 over the
-        most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it). A head
+        most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it), or with a
+        quantized ``kernel`` on Q8_0 blocks of the head's weights and rows. A head
         directory may hold ``acceptance.json``, how its drafts (and lookup's beside them) were
         accepted where it was measured: the block-length policy starts from it.
         """
@@ -299,12 +302,13 @@ class EagleProposer(Proposer):
             TargetTensors(embed=embed.to(device), head_rows=tensors.head_rows.to(device)),
             dtype=dtype,
             vocab_limit=vocab_limit,
+            kernel=kernel,
         )
         log.info(
             "eagle head %s loaded in %.1fs (draft vocabulary %d of the head's %d and the target's %d, steps in %s, "
             "target embedding %s on %s; %s)",
             head_dir, time.perf_counter() - started, drafter.vocab_ids.numel(), vocab_ids.numel(),
-            config.target_vocab_size, str(dtype).removeprefix("torch."), str(embed.dtype).removeprefix("torch."), device,
+            config.target_vocab_size, drafter.weights, str(embed.dtype).removeprefix("torch."), device,
             f"acceptance prior of {len(prior)} rates" if prior else "no acceptance prior",
         )
         return cls(

@@ -138,3 +138,13 @@ def to_quantized(raw: np.ndarray, type_name: str, shape: tuple[int, int], check:
         if not torch.equal(dequantize(weight), expected):
             raise AssertionError(f"{type_name}: the repacked blocks do not dequantize to gguf-py's values")
     return weight
+
+
+def from_float(weight: torch.Tensor, type_name: str = "Q8_0") -> QuantizedTensor:
+    """A float weight [out, in] quantized by gguf-py's own quantizer into ``type_name`` (one of the
+    types gguf-py quantizes itself: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; ``in`` a multiple of 32)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
+    return to_quantized(raw, type_name, (int(weight.shape[0]), int(weight.shape[1])))

@@ -54,6 +54,13 @@ class QuantLinear(_Quantized):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernel = kernel
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel: QuantKernel, type_name: str = "Q8_0") -> QuantLinear:
+        """A float ``nn.Linear`` quantized into ``type_name`` blocks (``gguf_blocks.from_float``)."""
+        from tandem.quant.gguf_blocks import from_float
+
+        return cls(from_float(linear.weight, type_name), linear.bias, kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [m, in]
         out = product(self.kernel, rows, self.quantized)  # [m, out]
