@@ -191,9 +191,9 @@ def _build(model: nn.Module) -> GemmaPass | None:
 
 def _decoder_ops(isa: str):
     """decoder_ops.cpp built for ``isa``, else its PyTorch references (same semantics)."""
-    from tandem.quant.native import KernelUnavailable, load_decoder_ops
+    from tandem.quant.native import ISA_FLAGS, KernelUnavailable, load_decoder_ops
 
-    if isa in ("avx512vnni", "avx512", "avx2"):
+    if isa in ISA_FLAGS:
         try:
             return load_decoder_ops(isa)
         except KernelUnavailable as error:

@@ -20,7 +20,7 @@ from target_service import gemma_pass, kv_cache, ragged
 from target_service.engine import TargetEngine
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
-        for isa in ("avx2", "avx512", "avx512vnni")]
+        for isa in ("avx2", "avx2int8", "avx512", "avx512vnni")]
 EPS = 1e-6
 
 

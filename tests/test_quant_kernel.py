@@ -66,6 +66,24 @@ def test_kernel_matches_reference(kernel, layout, rows: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # summation order (and float64) only
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_int8_products_stay_exact_at_the_extremes(kernel, bits: int) -> None:
+    """The largest integers of each width times full-scale activations of either sign: where a build
+    sums byte products in 16 bits first (avx2int8), no sum saturates."""
+    if kernel.activations != "int8":
+        pytest.skip("float32 activations: no integer sums")
+    out, width = 32, 256
+    extremes = [-128, 127] if bits == 8 else [2**bits - 1]
+    for value in extremes:
+        weight = QuantizedTensor(torch.from_numpy(pack(np.full((out, width), value), bits)),
+                                 torch.full((out, width // 32), 0.01), None, 32, bits, 0, "test")
+        for sign in (1.0, -1.0):
+            x = torch.full((3, width), sign)
+            x[1, ::2] = -sign  # alternating signs in one row
+            got = kernel.matmul(x, kernel.prepare(weight))
+            torch.testing.assert_close(got, reference.qmatmul_int8_activations(x, weight), rtol=1e-5, atol=1e-4)
+
+
 def test_int8_activations_are_close_to_float32_ones() -> None:
     """The int8 kernel's semantics (its reference) stay within llama.cpp-like error of the exact product."""
     weight = _weight(8, 32, 0, torch.float16, False, out=64, width=512, seed=3)
@@ -139,7 +157,9 @@ VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
         ("AVX512", VNNI, None, "avx512vnni"),
         ("AVX512", {"avx512f", "avx512bw"}, None, "avx512"),
         ("AVX512_BF16", set(), None, "avx512"),
-        ("AVX2", VNNI, None, "avx2"),  # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host: the AVX2 build
+        ("AVX2", VNNI, None, "avx2int8"),  # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host: an AVX2 build
+        ("AVX2", {"avx2", "fma", "f16c"}, None, "avx2int8"),  # an AVX2-only CPU: int8 activations too
+        ("AVX2", set(), "avx2", "avx2"),  # float32 activations on AVX2, asked for
         ("DEFAULT", set(), None, None),
         ("AVX512", VNNI, "avx2", "avx2"),
         ("AVX512", VNNI, "avx512", "avx512"),
@@ -160,7 +180,7 @@ def test_probe_follows_the_cpu_capability_and_the_override(monkeypatch, capabili
 
 def test_probe_refuses_an_unknown_override(monkeypatch) -> None:
     monkeypatch.setenv(native.ENV, "sse9")
-    with pytest.raises(ValueError, match="must be auto, avx512vnni, avx512, avx2 or none"):
+    with pytest.raises(ValueError, match="must be auto, avx512vnni, avx512, avx2int8, avx2 or none"):
         probe()
 
 

@@ -36,9 +36,9 @@ def blocks_file(tmp_path: Path) -> Path:
 
 
 # Both kinds of kernel, each where this CPU runs it: float32 activations (the AVX2 build) and int8
-# activations (the AVX-512 VNNI build).
+# activations (the AVX2 and the AVX-512 VNNI builds).
 KERNELS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
-           for isa in ("avx2", "avx512vnni")]
+           for isa in ("avx2", "avx2int8", "avx512vnni")]
 
 
 @pytest.fixture(params=KERNELS)

@@ -1,18 +1,21 @@
 """The quantized product's native kernels: which build this host runs, and the build.
 
-Two kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
+Kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
 (``$TANDEM_CACHE_DIR/kernels``, one folder per build, source and torch install; about 20 s once,
 then a load):
 
 * ``avx512vnni`` (``qmatmul_vnni.cpp``): activations quantized to int8 per group, integer products
   by vpdpbusd, weights in the ``TILES`` layout. A pass costs about the same for one to eight rows.
+* ``avx2int8`` (``qmatmul_int8_avx2.cpp``): the same semantics and layout on AVX2, the integer
+  products by vpmaddubsw and vpmaddwd, as llama.cpp computes on CPUs without VNNI.
 * ``avx512`` / ``avx2`` (``qmatmul.cpp``): float32 activations times the exactly dequantized weight;
   a pass of eight rows costs about twice one of a single row.
 
 Which one is a probe at start-up: ``avx512vnni`` where PyTorch's CPU capability
 (``torch.backends.cpu.get_cpu_capability()``, which honours ``ATEN_CPU_CAPABILITY``) is AVX-512 and
-the CPU has VNNI, else the capability's float32 build; ``TANDEM_QUANT_KERNEL`` (``auto`` |
-``avx512vnni`` | ``avx512`` | ``avx2`` | ``none``) overrides it. A build is used only after it
+the CPU has VNNI, ``avx512`` where it is AVX-512 without VNNI, ``avx2int8`` where it is AVX2;
+``TANDEM_QUANT_KERNEL`` (``auto`` | ``avx512vnni`` | ``avx512`` | ``avx2int8`` | ``avx2`` | ``none``)
+overrides it. A build is used only after it
 matches its PyTorch reference on a check; where there is none (no compiler, an older CPU, a failed
 check) the caller keeps float32 weights instead, and the log says why.
 """
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = {
     "float32": Path(__file__).with_name("qmatmul.cpp"),
     "int8": Path(__file__).with_name("qmatmul_vnni.cpp"),
+    "int8_avx2": Path(__file__).with_name("qmatmul_int8_avx2.cpp"),
     "attention": Path(__file__).with_name("row_attention.cpp"),  # the row-exact attention int8 activations need
     "decoder": Path(__file__).with_name("decoder_ops.cpp"),  # a decoder layer's norms, rotary and gate in one call each
 }
@@ -44,9 +48,12 @@ ENV = "TANDEM_QUANT_KERNEL"
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
+    "avx2int8": ["-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-INT8_ISAS = ("avx512vnni",)  # builds of qmatmul_vnni.cpp (int8 activations, TILES layout)
+# Builds with int8 activations and the TILES layout, and the source each compiles.
+INT8_SOURCES = {"avx512vnni": "int8", "avx2int8": "int8_avx2"}
+INT8_ISAS = tuple(INT8_SOURCES)
 # PyTorch stand-ins of each kind, for tests: QuantKernel("reference") and QuantKernel("reference-int8").
 REFERENCES = {"reference": "float32", "reference-int8": "int8"}
 # What the probe adds to an AVX-512 capability before it picks the VNNI build.
@@ -55,10 +62,11 @@ VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 CPU_FLAGS_NEEDED = {
     "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx2", "fma", "f16c"},
+    "avx2int8": {"avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},
 }
 # torch.backends.cpu.get_cpu_capability() -> the build that runs on it ("DEFAULT", "VSX", ...: none).
-CAPABILITY_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2"}
+CAPABILITY_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2int8"}
 MAX_ROWS = 8  # rows the kernel multiplies per pass over a weight (MAX_ROWS in qmatmul.cpp)
 
 
@@ -106,7 +114,7 @@ def probe() -> tuple[str | None, str]:
     if wanted in ISA_FLAGS:
         return wanted, f"{ENV}={wanted}"
     if wanted != "auto":
-        raise ValueError(f"{ENV} must be auto, avx512vnni, avx512, avx2 or none, got {wanted!r}")
+        raise ValueError(f"{ENV} must be auto, {', '.join(ISA_FLAGS)} or none, got {wanted!r}")
     capability = torch.backends.cpu.get_cpu_capability()
     isa = CAPABILITY_ISA.get(capability)
     if isa == "avx512" and VNNI_FLAGS <= cpu_flags():
@@ -211,7 +219,7 @@ def _build_plan(isa: str, kind: str = "") -> tuple[str, Path, list[str], Path, s
     """(library, source, flags, folder, digest) of a build."""
     from tandem.models import cache_dir
 
-    kind = kind or ("int8" if isa in INT8_ISAS else "float32")
+    kind = kind or INT8_SOURCES.get(isa, "float32")
     library = _library(isa, kind if kind in OPS_KINDS else "")
     flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={library}", *ISA_FLAGS[isa]]
     source = SOURCES[kind]
