@@ -22,8 +22,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
+KEEPALIVE_MS = dict(CHANNEL_OPTIONS)["grpc.keepalive_time_ms"]
+# A server counts a ping that comes sooner than this after the last one, with no data between, as
+# a strike, and after two it ends the connection (GOAWAY "too_many_pings"). gRPC's default is five
+# minutes, so an idle stack's channels, which ping every KEEPALIVE_MS, lost their connections after
+# about 90 s and the next requests met a reconnect.
+MIN_PING_INTERVAL_MS = KEEPALIVE_MS // 2
 # A second server on a busy port must fail, not silently share it (SO_REUSEPORT is on by default).
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+]
 
 
 def make_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
