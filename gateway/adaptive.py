@@ -177,12 +177,12 @@ class SessionController:
         policy: SpeculationPolicy,
         can_speculate: Callable[[], bool],
         adaptive: bool = True,
-        report: Callable[[float, float], None] | None = None,
+        report: Callable[[float, float, int], None] | None = None,
         prior_ratio: Callable[[], float | None] = lambda: None,
     ) -> None:
         """``can_speculate``: whether the draft's breaker and the server's load allow it now;
         ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement);
-        ``report(seconds_per_token, step_seconds)``: told at :meth:`finish` what speculation gave the
+        ``report(seconds_per_token, step_seconds, tokens)``: told at :meth:`finish` what speculation gave the
         session over all its timed rounds (the temperature prior, gateway.prior); ``prior_ratio()``:
         that prior's current ratio at the session's temperature (None while it has too few reports)."""
         self.config = config
@@ -222,7 +222,7 @@ class SessionController:
         if self._report is not None and step is not None and self._timed_tokens and (
             self._timed_rounds >= self.config.warmup_rounds
         ):
-            self._report(self._timed_seconds / self._timed_tokens, step)
+            self._report(self._timed_seconds / self._timed_tokens, step, self._timed_tokens)
             self._report = None  # once
 
     def observe_autoregressive(self, tokens: int) -> None:

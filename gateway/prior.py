@@ -8,7 +8,11 @@ temperature, and every session that speculated for at least a warm-up's worth of
 as it ends, what it measured: its seconds per committed token while speculating over the target's
 seconds per autoregressive step. Ratios below 1 mean speculation paid.
 
-:class:`TemperaturePrior` keeps an exponential average of those ratios per temperature band. A new
+:class:`TemperaturePrior` keeps an exponential average of those ratios per temperature band, each
+report weighted by the tokens its session speculated: a session that fell back after ten tokens
+measured only its own first rounds, a session's worst (prompt lookup has nothing to copy yet), and
+unweighted, a few such reports in a row lifted the greedy band over the bar and held back sessions
+that speculate at twice the speed of plain decoding. A new
 session at a band whose average says speculation is slower (above ``1 + margin`` over at least
 ``min_sessions`` reports) starts autoregressively, reason ``prior_slower``; one session in
 ``explore_every`` of those speculates anyway (and held-back sessions still probe later), so the
@@ -33,14 +37,20 @@ def band(temperature: float) -> str:
 
 @dataclass
 class _Band:
-    ratio: float = 1.0  # averaged speculative seconds per token / autoregressive seconds per token
+    speculative: float = 0.0  # averaged speculative seconds of the reports (per token, times tokens)
+    autoregressive: float = 0.0  # averaged step seconds the same tokens would have taken
     reports: int = 0
     held_back: int = 0  # sessions the prior started autoregressively since one last explored
+
+    @property
+    def ratio(self) -> float:
+        """Speculative seconds per token over autoregressive ones, token-weighted."""
+        return self.speculative / self.autoregressive
 
 
 @dataclass(frozen=True)
 class PriorConfig:
-    alpha: float = 0.2  # weight of a new report in the band's average
+    alpha: float = 0.2  # weight of a new report in the band's average (times its tokens)
     min_sessions: int = 4  # reports before the band's average decides anything
     # The average must exceed 1 + margin to keep a band's sessions from speculating. A band mixes
     # kinds of text (greedy prose about breaks even where greedy JSON runs 1.6x faster), and holding
@@ -60,15 +70,19 @@ class TemperaturePrior:
         self._lock = threading.Lock()
         self._on_update = on_update
 
-    def observe(self, temperature: float, seconds_per_token: float, step_seconds: float) -> None:
-        """A session's measured speculative time per committed token against the target's step time."""
-        if seconds_per_token <= 0 or step_seconds <= 0:
+    def observe(self, temperature: float, seconds_per_token: float, step_seconds: float, tokens: int = 1) -> None:
+        """A session's measured speculative time per committed token against the target's step time,
+        over ``tokens`` committed while speculating."""
+        if seconds_per_token <= 0 or step_seconds <= 0 or tokens <= 0:
             return
         name = band(temperature)
-        ratio = seconds_per_token / step_seconds
+        keep = 1 - self.config.alpha
         with self._lock:
             entry = self._bands.setdefault(name, _Band())
-            entry.ratio = ratio if entry.reports == 0 else self.config.alpha * ratio + (1 - self.config.alpha) * entry.ratio
+            if entry.reports == 0:
+                keep = 0.0
+            entry.speculative = keep * entry.speculative + (1 - keep) * seconds_per_token * tokens
+            entry.autoregressive = keep * entry.autoregressive + (1 - keep) * step_seconds * tokens
             entry.reports += 1
             averaged = entry.ratio
         if self._on_update is not None:

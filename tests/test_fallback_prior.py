@@ -53,6 +53,25 @@ def test_held_back_bands_still_explore_and_follow_new_measurements() -> None:
     assert updates[0] == ("0.75-1.05", 2.0) and updates[-1][1] < 1.0
 
 
+def test_a_report_weighs_as_many_tokens_as_its_session_speculated() -> None:
+    """Sessions that fell back after a few tokens measured only their first rounds; a streak of them
+    must not outvote the long sessions that paid."""
+    prior = TemperaturePrior(PriorConfig(min_sessions=1, alpha=0.2))
+    prior.observe(0.0, 0.01, 0.02, tokens=64)  # half the step's time over a whole session
+    for _ in range(3):
+        prior.observe(0.0, 0.036, 0.02, tokens=10)  # 1.8x slower over a first window
+    # (0.512 x 64 x 0.01 + 0.2 x 10 x 0.036 x (1 + 0.8 + 0.64)) / (0.512 x 64 x 0.02 + ... x 0.02 ...)
+    spec = 0.512 * 64 * 0.01 + 0.2 * 10 * 0.036 * (1 + 0.8 + 0.64)
+    step = 0.512 * 64 * 0.02 + 0.2 * 10 * 0.02 * (1 + 0.8 + 0.64)
+    assert prior.ratio(0.0) == pytest.approx(spec / step)
+    assert prior.ratio(0.0) < 0.8 and not prior.holds_back(0.0)
+    unweighted = TemperaturePrior(PriorConfig(min_sessions=1, alpha=0.2))
+    unweighted.observe(0.0, 0.01, 0.02)
+    for _ in range(3):
+        unweighted.observe(0.0, 0.036, 0.02)
+    assert unweighted.ratio(0.0) > 1.1 and unweighted.holds_back(0.0)  # what equal weights did
+
+
 def test_bad_measurements_are_ignored() -> None:
     prior = TemperaturePrior(PriorConfig(min_sessions=1))
     prior.observe(1.0, 0.0, 0.02)
@@ -75,7 +94,7 @@ def _controller(reports: list, adaptive: bool = True) -> SessionController:
     timer.observe_step(0.02)
     config = AdaptiveConfig(window_rounds=8, warmup_rounds=4, reprobe_after_tokens=16, probe_tokens=4)
     return SessionController(config, timer, Decision(SPEC), policy=SpeculationPolicy(), can_speculate=lambda: True,
-                             adaptive=adaptive, report=lambda spt, step: reports.append((spt, step)))
+                             adaptive=adaptive, report=lambda spt, step, tokens: reports.append((spt, step, tokens)))
 
 
 def test_a_session_reports_at_its_end_what_speculation_gave_it() -> None:
@@ -93,7 +112,7 @@ def test_a_session_reports_at_its_end_what_speculation_gave_it() -> None:
     assert reports == []
     c.finish()
     c.finish()  # once
-    assert reports == [(pytest.approx(8 * 0.05 / 24), 0.02)]
+    assert reports == [(pytest.approx(8 * 0.05 / 24), 0.02, 24)]
 
 
 def test_a_session_too_short_to_judge_reports_nothing() -> None:
