@@ -180,7 +180,9 @@ class DraftEngine:
                     await stream.close()
                 else:
                     stream.cancel()
-            if outcome is _Outcome.ABANDONED:
+            # A consumer that stops listening after the verdict that finished the session abandoned
+            # nothing: the target has freed it already.
+            if outcome is _Outcome.ABANDONED and finish_reason is FinishReason.NONE:
                 self._release_later(spec.session_id)
 
     def _resume(

@@ -28,14 +28,19 @@ class Stack:
     draft_metrics_port: int
     target_metrics_port: int
     process: subprocess.Popen
+    host: str = "127.0.0.1"
     output: list[str] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
 
     def metrics(self, port: int | None = None) -> str:
-        url = f"http://127.0.0.1:{port}/metrics" if port else f"{self.base_url}/metrics"
+        url = f"http://{self.host}:{port}/metrics" if port else f"{self.base_url}/metrics"
         return httpx.get(url, timeout=10).text
 
     def log(self) -> str:
@@ -57,6 +62,9 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+DEFAULT_PORTS_HOST = "127.0.0.2"  # all of 127.0.0.0/8 is loopback on Linux
+
+
 @contextmanager
 def running_stack(
     target_model: str,
@@ -66,19 +74,24 @@ def running_stack(
     ready_timeout_s: float = 300.0,
     extra_args: tuple[str, ...] = (),
 ) -> Iterator[Stack]:
+    """``default_ports``: the design's default ports (what the outside contract checker reads), on
+    ``DEFAULT_PORTS_HOST``, a loopback address of their own, so a ``tandem serve`` on 127.0.0.1 (the
+    default bind) and this stack do not clash."""
+    host = "127.0.0.1"
     if default_ports:
+        host = DEFAULT_PORTS_HOST
         ports = dict(http_port=8000, grpc_port=50051, draft_port=50052, target_port=50053,
                      draft_metrics_port=9052, target_metrics_port=9053)
     else:
         ports = dict(http_port=free_port(), grpc_port=free_port(), draft_port=free_port(), target_port=free_port(),
                      draft_metrics_port=free_port(), target_metrics_port=free_port())
     argv = [sys.executable, "-m", "tandem.cli", "serve", "--target-model", target_model, "--draft-model", draft_model,
-            "--num-speculative-tokens", str(k), *extra_args]
+            "--num-speculative-tokens", str(k), "--host", host, *extra_args]
     for name, port in ports.items():
         argv += ["--" + name.replace("_", "-"), str(port)]
     env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    stack = Stack(process=process, **ports)
+    stack = Stack(process=process, host=host, **ports)
     ready = threading.Event()
 
     def pump() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from contextlib import aclosing
 
 import pytest
@@ -35,11 +37,13 @@ class Port:
 
     def __init__(self, target: ReferenceTarget) -> None:
         self.verifier = InMemoryVerifier(target)
+        self.released: list[str] = []
 
     def open_verify_stream(self, session_id: str) -> Stream:
         return Stream(self.verifier)
 
     async def release(self, session_id: str) -> bool:
+        self.released.append(session_id)
         return True
 
 
@@ -125,6 +129,24 @@ async def test_parked_sessions_expire_are_bounded_and_never_resume_on_other_toke
     await engine.aclose()
     await drained(worker)
     assert proposer.closed == proposer.opened
+
+
+async def test_a_call_closed_after_the_finishing_round_releases_nothing(setup) -> None:
+    """A caller may stop listening as soon as it reads the verdict that finished the session (the
+    target has freed it already): that is no abandoned session. Closed earlier, it is one."""
+    reference, _, engine, worker, _ = setup
+    port = engine._target
+    for session_id, stop_at_finish in (("done", True), ("left", False)):
+        reference.prefill(session_id, PROMPT, max_new_tokens=6)
+        spec = SessionSpec(session_id, tuple(reference.sessions[session_id].tokens), len(PROMPT), SamplingConfig(), 3)
+        async with aclosing(engine.speculate(spec)) as rounds:
+            async for result in rounds:
+                if not stop_at_finish or result.finish_reason is not FinishReason.NONE:
+                    break  # closes the call at this round
+        await asyncio.gather(*engine._cleanups)
+    assert port.released == ["left"]
+    await engine.aclose()
+    await drained(worker)
 
 
 async def test_a_sessions_acceptance_record_outlives_its_calls(target) -> None:

@@ -4,7 +4,8 @@ Greedy losslessness is checked token for token: with ``--dtype float32`` against
 own ``generate()``, and with the default (the target computes on the GGUF file's blocks) against
 the same server's autoregressive decoding (``speculation: off``), with the ``ngram`` draft, the
 ``eagle`` head shipped for the target and a model draft, including a prompt longer than Gemma 3's
-512-token sliding window; the outside contract checker runs against the default ports.
+512-token sliding window; the outside contract checker runs against the default ports, on a
+loopback address of their own (127.0.0.2), so that a ``tandem serve`` on the machine does not clash.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def gemma():
     return loaded.tokenizer, greedy
 
 
-def generate_ids(port: int, prompt_ids: list[int], max_tokens: int, speculation: int) -> tuple[list[int], object]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def generate_ids(address: str, prompt_ids: list[int], max_tokens: int, speculation: int) -> tuple[list[int], object]:
+    with grpc.insecure_channel(address) as channel:
         chunks = list(gateway_pb2_grpc.GatewayServiceStub(channel).Generate(
             gateway_pb2.GatewayServiceGenerateRequest(
                 prompt_token_ids=prompt_ids, max_tokens=max_tokens, temperature=0.0, speculation=speculation),
@@ -67,18 +68,19 @@ def test_default_stack_ngram_is_lossless_and_meets_the_contract(gemma) -> None:
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 32), (long_prompt(tokenizer), 24)):
             expected = greedy(prompt_ids, n)
             for mode in (common_pb2.SPECULATION_MODE_ON, common_pb2.SPECULATION_MODE_OFF):
-                ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, mode)
+                ids, usage = generate_ids(stack.grpc_address, prompt_ids, n, mode)
                 assert ids == expected, (mode, len(prompt_ids))
             assert usage.speculative_decoding.mode == "autoregressive"
         # The checker lives in shared/, beside the checkout (as in CI and every session).
         assert CONTRACT.exists(), f"contract checker not found at {CONTRACT}"
-        result = subprocess.run([sys.executable, str(CONTRACT)], capture_output=True, text=True, timeout=600, check=False)
+        result = subprocess.run([sys.executable, str(CONTRACT), "--host", stack.host, "--http", stack.base_url],
+                                capture_output=True, text=True, timeout=600, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def served_greedy(port: int, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def served_greedy(address: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """The served target's own greedy decoding: the same server with speculation off."""
-    ids, usage = generate_ids(port, prompt_ids, max_tokens, common_pb2.SPECULATION_MODE_OFF)
+    ids, usage = generate_ids(address, prompt_ids, max_tokens, common_pb2.SPECULATION_MODE_OFF)
     assert usage.speculative_decoding.mode == "autoregressive"
     return ids
 
@@ -89,8 +91,8 @@ def test_model_draft_with_the_gemma_tokenizer_is_lossless(gemma, tmp_path) -> No
                                 sliding_window=512, tokenizer_from=resolve("gemma-3-270m").hf_dir)
     with running_stack("gemma-3-270m", str(draft_dir), k=3, ready_timeout_s=600) as stack:
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 16), (long_prompt(tokenizer), 12)):
-            ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
-            assert ids == served_greedy(stack.grpc_port, prompt_ids, n)
+            ids, usage = generate_ids(stack.grpc_address, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
+            assert ids == served_greedy(stack.grpc_address, prompt_ids, n)
             assert usage.speculative_decoding.rounds > 0
 
 
@@ -101,10 +103,10 @@ def test_shipped_eagle_head_is_lossless(gemma, draft, proposer) -> None:
     the head, whose greedy sessions send token trees."""
     tokenizer, _ = gemma
     with running_stack("gemma-3-270m", draft, k=7 if draft == "auto" else 5, ready_timeout_s=600) as stack:
-        with grpc.insecure_channel(f"127.0.0.1:{stack.draft_port}") as channel:
+        with grpc.insecure_channel(f"{stack.host}:{stack.draft_port}") as channel:
             info = draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftServiceInfoRequest(), timeout=30)
         assert (info.proposer, info.model_name) == (proposer, "eagle:gemma-3-270m")
         for prompt_ids, n in ((tokenizer(CODE_PROMPT).input_ids, 32), (long_prompt(tokenizer), 16)):
-            ids, usage = generate_ids(stack.grpc_port, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
-            assert ids == served_greedy(stack.grpc_port, prompt_ids, n), len(prompt_ids)
+            ids, usage = generate_ids(stack.grpc_address, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
+            assert ids == served_greedy(stack.grpc_address, prompt_ids, n), len(prompt_ids)
             assert usage.speculative_decoding.rounds > 0 and usage.speculative_decoding.draft_tokens > 0
