@@ -209,10 +209,13 @@ async def _serve_until_signalled(settings: GatewaySettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     gateway = await start_gateway(settings)
+    # Listening is not serving: until the upstreams are ready, /health answers 503 and says why;
+    # the monitor logs "upstreams ready" when they are.
     log.info(
-        "gateway serving %s: OpenAI API at http://%s:%d/v1, gRPC tandem.v1.GatewayService at %s:%d "
+        "gateway for %s %s: OpenAI API at http://%s:%d/v1, gRPC tandem.v1.GatewayService at %s:%d "
         "(target %s, draft %s)",
-        gateway.core.model.name, settings.host, gateway.http_port, settings.host, gateway.grpc_port,
+        gateway.core.model.name, "serving" if gateway.core.monitor.ready else "listening, waiting for its upstreams",
+        settings.host, gateway.http_port, settings.host, gateway.grpc_port,
         settings.target_address, settings.draft_address,
     )
     await stop.wait()

@@ -16,7 +16,9 @@ A 32-round window or pacing 10% slower than the rate gained 0.05 to 0.15 more, a
 slower adaptation when a session switches legs and of jitter (1.10) on perfectly even streams, so
 neither is used. A bound of two rounds gives 1.41 to 1.52. The smoothest schedule within one
 round (least squared gaps), computed offline knowing every arrival, gets 1.50 to 1.88 on the same
-recordings: at that bound the arrivals themselves, not the estimator, keep the ratio near 1.6.
+recordings: at that bound the arrivals themselves, not the estimator, keep the ratio near 1.6. So
+the default bound is two rounds; the end-to-end latency stays (the flush below), and so does the
+time to the first token, which no estimate exists for yet and which is never held.
 
 Guarantees, whatever the estimate says:
 
@@ -49,7 +51,7 @@ F = TypeVar("F")
 @dataclass(frozen=True)
 class PacerConfig:
     # Upper bound of a token's extra delay, in round times (inter-batch gaps) ...
-    max_delay_rounds: float = 1.0
+    max_delay_rounds: float = 2.0
     # ... and in seconds, whichever is smaller.
     max_delay_s: float = 0.5
     # Upstream batches the round time (the typical gap, for the bound) looks back over.

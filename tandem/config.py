@@ -174,7 +174,7 @@ class GatewaySettings(_Base):
         "auto", pattern="^(off|auto)$", description="pace streamed tokens evenly: auto or off (per request too)"
     )
     stream_smoothing_max_delay_rounds: float = Field(
-        1.0, ge=0.0, description="most extra delay a paced token gets, in round times"
+        2.0, ge=0.0, description="most extra delay a paced token gets, in round times (the first token is never held)"
     )
     # Session-level fallback to the target's Generate (gateway.policy, gateway.adaptive)
     fallback_adaptive: bool = Field(True, description="fall back mid-session when speculation does not pay")
