@@ -7,10 +7,9 @@
 //   and |x| <= 127 (activations are quantized to [-127, 127]): a pair is at most 2 * 128 * 127 = 32512.
 // So the results equal the VNNI build's up to float summation order, and a row's result depends on
 // that row alone.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
+
+#include "int8_tiles.h"
 
 #include <cmath>
 #include <cstdint>
@@ -18,15 +17,8 @@
 
 namespace {
 
-constexpr int TILE = 16;
-constexpr int MAX_ROWS = 4;  // input rows per pass over a tile: their accumulators fill the 16 ymm registers
-
-struct Activations {
-  at::Tensor q;       // [rows, K] int8
-  at::Tensor scale;   // [rows, groups] float32: max / 127
-  at::Tensor qsum;    // [rows, groups] int32: sum of q
-  at::Tensor sum;     // [rows, groups] float32: sum of x
-};
+using tandem_int8::Activations;
+using tandem_int8::TILE;
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -46,8 +38,7 @@ inline float hsum(__m256 v) {
 // as torch.round), and the sums of q and of x (x in a fixed order: lanes, then a tree).
 Activations quantize(const float* x, int64_t rows, int64_t K, int64_t group) {
   const int64_t groups = K / group;
-  Activations a{at::empty({rows, K}, at::kChar), at::empty({rows, groups}, at::kFloat),
-                at::empty({rows, groups}, at::kInt), at::empty({rows, groups}, at::kFloat)};
+  Activations a = tandem_int8::empty_activations(rows, K, groups);
   int8_t* q = a.q.data_ptr<int8_t>();
   float* scale = a.scale.data_ptr<float>();
   int32_t* qsum = a.qsum.data_ptr<int32_t>();
@@ -212,73 +203,21 @@ void tiles_kernel(const Activations& a, int64_t m0, int64_t K, const uint8_t* pa
   }
 }
 
-// Tiles per block: a block's weights stay in cache while every chunk of MAX_ROWS input rows passes over
-// them, so a pass of more rows than one chunk still reads each weight from memory once.
-constexpr int64_t TILES_PER_BLOCK = 8;
-
-template <int BITS, typename Scale>
-void run(const Activations& a, int64_t rows, int64_t K, const uint8_t* packed, const Scale* scale, const float* mins,
-         int64_t group, int32_t zero, float* y, int64_t N) {
-  const int64_t tiles = N / TILE;
-  at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
-    for (int64_t t0 = first; t0 < last; t0 += TILES_PER_BLOCK) {
-      const int64_t t1 = std::min(last, t0 + TILES_PER_BLOCK);
-      for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
-        switch (std::min<int64_t>(MAX_ROWS, rows - m0)) {
-#define TANDEM_ROWS(R) \
-  case R: tiles_kernel<BITS, Scale, R>(a, m0, K, packed, scale, mins, group, zero, y, N, t0, t1); break;
-          TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
-#undef TANDEM_ROWS
-        }
-      }
-    }
-  });
-}
-
-at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                         const c10::optional<at::Tensor>& mins, int64_t group, int64_t bits, int64_t zero,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [rows, in] float32, contiguous");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
-  const int64_t K = x.size(1), N = out_features;
-  TORCH_CHECK(N % TILE == 0, "out_features must be a multiple of ", TILE);
-  TORCH_CHECK(group % 16 == 0 && K % group == 0 && (bits == 8 || group == 32), "bad group ", group, " for ", bits, " bits");
-  const int64_t groups = K / group;
-  const int64_t group_bytes = bits == 8 ? group * TILE : (bits == 4 ? group * 8 : group * 10);
-  TORCH_CHECK(packed.is_contiguous() && packed.element_size() == 1 && packed.numel() == N / TILE * groups * group_bytes,
-              "packed holds ", packed.numel(), " bytes, expected ", N / TILE * groups * group_bytes);
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == N * groups &&
-              (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf), "scale must be [tiles, groups, 16]");
-  const float* mp = nullptr;
-  if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == N * groups, "bad mins");
-    mp = mins->data_ptr<float>();
+struct Avx2 {
+  static constexpr int MAX_ROWS = 4;  // input rows per pass over a tile: their accumulators fill the 16 ymm registers
+  static Activations quantize(const float* x, int64_t rows, int64_t K, int64_t group) {
+    return ::quantize(x, rows, K, group);
   }
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0 || N == 0) return y;
-  const Activations a = quantize(x.data_ptr<float>(), x.size(0), K, group);
-  const uint8_t* pp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const bool half = scale.scalar_type() == at::kHalf;
-#define TANDEM_RUN(B)                                                                                         \
-  if (bits == B) {                                                                                            \
-    if (half) run<B, at::Half>(a, x.size(0), K, pp, scale.data_ptr<at::Half>(), mp, group, (int32_t)zero, y.data_ptr<float>(), N); \
-    else run<B, float>(a, x.size(0), K, pp, scale.data_ptr<float>(), mp, group, (int32_t)zero, y.data_ptr<float>(), N);            \
+  template <int BITS, typename Scale, int M>
+  static void tiles(const Activations& a, int64_t m0, int64_t K, const uint8_t* packed, const Scale* scale,
+                    const float* mins, int64_t group, int32_t zero, float* y, int64_t N, int64_t t0, int64_t t1) {
+    tiles_kernel<BITS, Scale, M>(a, m0, K, packed, scale, mins, group, zero, y, N, t0, t1);
   }
-  TANDEM_RUN(4) TANDEM_RUN(5) TANDEM_RUN(8)
-#undef TANDEM_RUN
-  return y;
-}
+};
 
 }  // namespace
 
 #ifndef TANDEM_QUANT_LIBRARY
 #define TANDEM_QUANT_LIBRARY tandem_quant_avx2int8
 #endif
-#define TANDEM_DEF(ns, m) TORCH_LIBRARY(ns, m)
-#define TANDEM_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-
-TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
-  m.def("qmatmul_tiles(Tensor x, Tensor packed, Tensor scale, Tensor? mins, int group, int bits, int zero, int out_features) -> Tensor");
-}
-
-TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) { m.impl("qmatmul_tiles", &qmatmul_tiles); }
+TANDEM_INT8_TILES_LIBRARY(Avx2)

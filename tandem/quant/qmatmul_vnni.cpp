@@ -18,32 +18,23 @@
 //   bits 4: group / 8 chunks of 64 bytes, block 2c in the low nibbles of chunk c, block 2c + 1 in the high
 //   bits 5: the 4-bit chunks, then one uint64 per block whose bit (4 * row + i) is that byte's fifth bit
 // scale and mins: [tiles, groups, 16] (float16 or float32; float32).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
+
+#include "int8_tiles.h"
 
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int TILE = 16;
-constexpr int MAX_ROWS = 8;
-
-struct Activations {
-  at::Tensor q;       // [rows, K] int8
-  at::Tensor scale;   // [rows, groups] float32: max / 127
-  at::Tensor qsum;    // [rows, groups] int32: sum of q
-  at::Tensor sum;     // [rows, groups] float32: sum of x
-};
+using tandem_int8::Activations;
+using tandem_int8::TILE;
 
 // Per group: max |x| (exact), q = nearest-even(x * (127 / max)) (vcvtps2dq in the default rounding
 // mode, as torch.round), and the sums of q and of x (the latter in a fixed order: lanes, then a tree).
 Activations quantize(const float* x, int64_t rows, int64_t K, int64_t group) {
   const int64_t groups = K / group;
-  Activations a{at::empty({rows, K}, at::kChar), at::empty({rows, groups}, at::kFloat),
-                at::empty({rows, groups}, at::kInt), at::empty({rows, groups}, at::kFloat)};
+  Activations a = tandem_int8::empty_activations(rows, K, groups);
   int8_t* q = a.q.data_ptr<int8_t>();
   float* scale = a.scale.data_ptr<float>();
   int32_t* qsum = a.qsum.data_ptr<int32_t>();
@@ -136,74 +127,21 @@ void tiles_kernel(const Activations& a, int64_t m0, int64_t K, const uint8_t* pa
   }
 }
 
-// Tiles per block: a block's weights (up to 8 x 16 rows x 2048 bytes) stay in cache while every chunk of
-// MAX_ROWS input rows passes over them, so a long prompt chunk reads each weight from memory once.
-constexpr int64_t TILES_PER_BLOCK = 8;
-
-template <int BITS, typename Scale>
-void run(const Activations& a, int64_t rows, int64_t K, const uint8_t* packed, const Scale* scale, const float* mins,
-         int64_t group, int32_t zero, float* y, int64_t N) {
-  const int64_t tiles = N / TILE;
-  at::parallel_for(0, tiles, 4, [&](int64_t first, int64_t last) {
-    for (int64_t t0 = first; t0 < last; t0 += TILES_PER_BLOCK) {
-      const int64_t t1 = std::min(last, t0 + TILES_PER_BLOCK);
-      for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
-        switch (std::min<int64_t>(MAX_ROWS, rows - m0)) {
-#define TANDEM_ROWS(R) \
-  case R: tiles_kernel<BITS, Scale, R>(a, m0, K, packed, scale, mins, group, zero, y, N, t0, t1); break;
-          TANDEM_ROWS(1) TANDEM_ROWS(2) TANDEM_ROWS(3) TANDEM_ROWS(4)
-          TANDEM_ROWS(5) TANDEM_ROWS(6) TANDEM_ROWS(7) TANDEM_ROWS(8)
-#undef TANDEM_ROWS
-        }
-      }
-    }
-  });
-}
-
-at::Tensor qmatmul_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                         const c10::optional<at::Tensor>& mins, int64_t group, int64_t bits, int64_t zero,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [rows, in] float32, contiguous");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
-  const int64_t K = x.size(1), N = out_features;
-  TORCH_CHECK(N % TILE == 0, "out_features must be a multiple of ", TILE);
-  TORCH_CHECK(group % 16 == 0 && K % group == 0 && (bits == 8 || group == 32), "bad group ", group, " for ", bits, " bits");
-  const int64_t groups = K / group;
-  const int64_t group_bytes = bits == 8 ? group * TILE : (bits == 4 ? group * 8 : group * 10);
-  TORCH_CHECK(packed.is_contiguous() && packed.element_size() == 1 && packed.numel() == N / TILE * groups * group_bytes,
-              "packed holds ", packed.numel(), " bytes, expected ", N / TILE * groups * group_bytes);
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == N * groups &&
-              (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf), "scale must be [tiles, groups, 16]");
-  const float* mp = nullptr;
-  if (mins.has_value() && mins->defined()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == N * groups, "bad mins");
-    mp = mins->data_ptr<float>();
+struct Vnni {
+  static constexpr int MAX_ROWS = 8;  // input rows per pass over a tile (their accumulators: 16 of 32 zmm)
+  static Activations quantize(const float* x, int64_t rows, int64_t K, int64_t group) {
+    return ::quantize(x, rows, K, group);
   }
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0 || N == 0) return y;
-  const Activations a = quantize(x.data_ptr<float>(), x.size(0), K, group);
-  const uint8_t* pp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const bool half = scale.scalar_type() == at::kHalf;
-#define TANDEM_RUN(B)                                                                                         \
-  if (bits == B) {                                                                                            \
-    if (half) run<B, at::Half>(a, x.size(0), K, pp, scale.data_ptr<at::Half>(), mp, group, (int32_t)zero, y.data_ptr<float>(), N); \
-    else run<B, float>(a, x.size(0), K, pp, scale.data_ptr<float>(), mp, group, (int32_t)zero, y.data_ptr<float>(), N);            \
+  template <int BITS, typename Scale, int M>
+  static void tiles(const Activations& a, int64_t m0, int64_t K, const uint8_t* packed, const Scale* scale,
+                    const float* mins, int64_t group, int32_t zero, float* y, int64_t N, int64_t t0, int64_t t1) {
+    tiles_kernel<BITS, Scale, M>(a, m0, K, packed, scale, mins, group, zero, y, N, t0, t1);
   }
-  TANDEM_RUN(4) TANDEM_RUN(5) TANDEM_RUN(8)
-#undef TANDEM_RUN
-  return y;
-}
+};
 
 }  // namespace
 
 #ifndef TANDEM_QUANT_LIBRARY
 #define TANDEM_QUANT_LIBRARY tandem_quant_avx512vnni
 #endif
-#define TANDEM_DEF(ns, m) TORCH_LIBRARY(ns, m)
-#define TANDEM_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-
-TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
-  m.def("qmatmul_tiles(Tensor x, Tensor packed, Tensor scale, Tensor? mins, int group, int bits, int zero, int out_features) -> Tensor");
-}
-
-TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) { m.impl("qmatmul_tiles", &qmatmul_tiles); }
+TANDEM_INT8_TILES_LIBRARY(Vnni)
