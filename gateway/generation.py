@@ -274,12 +274,15 @@ class Generation:
         deps = self._deps
         deadline = deps.tuning.draft_stall_timeout_s
         cap = deadline * deps.tuning.draft_stall_cap_factor
+        answered = False  # before a call's first round the draft takes the session on (its own prefill)
 
         def keep_waiting(waited_s: float) -> bool:
-            return waited_s < cap and deps.draft_silence_explained(time.monotonic())
+            # That prefill grows with the prompt and the machine's load: explained up to the cap.
+            return waited_s < cap and (not answered or deps.draft_silence_explained(time.monotonic()))
 
         try:
             async for message, seconds in timed(stream, time.monotonic, deadline, keep_waiting):
+                answered = True
                 deps.last_draft_message = time.monotonic()
                 self._deps.breaker.record_success()
                 if message.token_ids:

@@ -123,3 +123,25 @@ def bf16_screen_packs(monkeypatch) -> bool:
     monkeypatch.setattr(screened_head, "packed_linear", product)
     monkeypatch.setattr(screened_head, "padded_linear", padded)
     return False
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hogs", type=int, default=0, metavar="N",
+        help="keep N busy-loop processes running beside the tests (the suite must pass on a loaded "
+             "machine: no test asserts a timing), e.g. `python -m pytest -m slow --cpu-hogs 2`",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_hogs(request: pytest.FixtureRequest):
+    """The ``--cpu-hogs`` processes, for the whole session."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(request.config.getoption("--cpu-hogs"))]
+    yield len(hogs)
+    for hog in hogs:
+        hog.kill()
+        hog.wait()

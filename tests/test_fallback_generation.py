@@ -210,6 +210,19 @@ async def test_a_draft_waiting_behind_a_busy_target_is_not_a_stalled_draft(token
     assert deps.breaker.state is BreakerState.CLOSED
 
 
+@pytest.mark.parametrize(("pause_s", "stalled"), [(0.2, False), (1.0, True)], ids=["slow start", "dead at start"])
+async def test_a_calls_first_round_may_take_up_to_the_cap(tokenizer, model, pause_s, stalled):
+    """Before its first round a draft takes the session on (its own prefill of the prompt, slower
+    the longer the prompt and the busier the machine): that silence is a stall only past the cap
+    (12 x the deadline), the way a busy target's is."""
+    draft = ScriptedDraft(model, accepted=K, pause=(0, pause_s))
+    deps = make_deps(tokenizer, model, draft, stall_s=0.05)  # cap: 0.6 s
+    text, tokens, finished, _ = await run(deps, make_request(tokenizer))
+    assert text == SCRIPT_TEXT and tokens == model.expected_tokens(1000)
+    assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == int(stalled)
+    assert (deps.breaker.state is BreakerState.CLOSED) is not stalled
+
+
 def test_silence_is_explained_by_recent_rounds_or_prefills_only(tokenizer, model) -> None:
     deps = make_deps(tokenizer, model, ScriptedDraft(model), stall_s=5.0)
     assert not deps.draft_silence_explained(100.0)
