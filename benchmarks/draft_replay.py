@@ -63,10 +63,10 @@ from draft_service.block_length import AcceptanceTally, BlockLengthPolicy, save_
 from draft_service.loop import root_path_length
 from draft_service.proposers import make_proposer
 from draft_service.types import SamplingConfig, TargetInfo
-from tandem.bench.prompts import Prompt, load_prompts
+from tandem.tools.bench.prompts import Prompt, load_prompts
 from tandem.config import DraftSettings
 from tandem.models import load_model, tokenizer_fingerprint
-from tandem.screened_head import screened_argmax_for
+from tandem.cpu.screened_head import screened_argmax_for
 from target_service import kv_cache
 
 
@@ -100,7 +100,7 @@ def pass_costs(loaded, context: int, max_block: int, sweeps: int = 5) -> dict[in
     """Median seconds of a pass over n = 1 .. max_block tokens after ``context`` cached tokens.
 
     Greedy passes as the target runs them: through the screened LM head where the model gets one
-    (``tandem.screened_head``), else the full logits. The sizes are interleaved over several
+    (``tandem.cpu.screened_head``), else the full logits. The sizes are interleaved over several
     sweeps, so a burst of load elsewhere on the machine shifts every size alike instead of one.
     """
     model = loaded.model
@@ -197,7 +197,7 @@ DISTILL_PREFIX = "distill:"
 def distill_prompts(spec: str) -> list[Prompt]:
     """``distill:N[:SEED]``: the first N held-out generation prompts of ``tandem distill`` (half of
     them stdlib function openings), labelled by what they ask for."""
-    from tandem.distill.corpus import generation_prompts
+    from tandem.tools.distill.corpus import generation_prompts
 
     count, _, seed = spec.removeprefix(DISTILL_PREFIX).partition(":")
     stream = generation_prompts(int(seed or 0), heldout=True, code_prefix_share=0.5)

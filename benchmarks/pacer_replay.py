@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from gateway.pacer import Pacer, PacerConfig
-from tandem.bench.metrics import itl_ratio, percentile
+from tandem.tools.bench.metrics import itl_ratio, percentile
 
 
 async def _record(grpc_address: str, prompts_path: Path, max_tokens: int, out: Path) -> None:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engines[f"quantized {isa}"] = TargetEngine(load_model(args.model, device="cpu", dtype="auto"))
     # Real text (the bench's prompts, end to end): on a synthetic token sequence the hidden states are
     # nearly uniform and the float32 engine's screened head rescores thousands of candidates.
-    from tandem.bench.prompts import load_prompts
+    from tandem.tools.bench.prompts import load_prompts
 
     text = "".join(p.prompt for p in load_prompts(None, 0))
     ids = load_model_tokenizer(args.model)(text).input_ids

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from tandem.bench.prompts import load_prompts
+from tandem.tools.bench.prompts import load_prompts
 from tandem.models import load_model, resolve
 from tandem.quant.native import available_kernels
 

@@ -1,4 +1,4 @@
-"""Greedy target passes with the screened LM head against the float32 one (``tandem.screened_head``).
+"""Greedy target passes with the screened LM head against the float32 one (``tandem.cpu.screened_head``).
 
     python benchmarks/screened_head.py                 # gemma-3-270m, 1 to 8 tokens after 100
     python benchmarks/screened_head.py --rows 1 4 --context 1000 --repeats 30

@@ -24,8 +24,8 @@ from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import FinishReason, RoundResult, SamplingConfig, SessionSpec, TargetInfo
-from tandem.metrics import Metrics
-from tandem.model_worker import ModelWorker
+from tandem.telemetry.metrics import Metrics
+from tandem.models.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from draft_service.target_client import TargetClient
 from draft_service.types import TargetInfo
 from tandem import telemetry
 from tandem.config import DEFAULT_K, DraftSettings
-from tandem.eagle import EagleCheckpointError
-from tandem.grpc_util import Health, bind, enable_reflection, make_server
-from tandem.logs import setup_logging
-from tandem.metrics import Metrics, make_metrics, serve_metrics
-from tandem.model_worker import ModelWorker
+from tandem.models.eagle import EagleCheckpointError
+from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
+from tandem.telemetry.logs import setup_logging
+from tandem.telemetry.metrics import Metrics, make_metrics, serve_metrics
+from tandem.models.worker import ModelWorker
 from tandem.models import ModelSpecError
 from tandem.v1 import draft_pb2_grpc
 

@@ -13,7 +13,7 @@ from draft_service import wire
 from draft_service.errors import ProtocolError, TargetUnavailableError
 from draft_service.types import DraftBlock, TargetInfo, Verdict
 from tandem import telemetry
-from tandem.grpc_util import insecure_channel
+from tandem.rpc.endpoints import insecure_channel
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.token_tree import depths
+from tandem.rpc.token_tree import depths
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from gateway.generation import Generation
 from gateway.monitor import UpstreamMonitor
 from gateway.served_model import ServedModel
 from gateway.validation import RequestFields, RequestValidator
-from tandem.metrics import Metrics
+from tandem.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from gateway.request import Smoothing
 from gateway.served_model import ServedModel
 from gateway.upstream import DraftUpstream, TargetUpstream
 from tandem.config import GatewaySettings
-from tandem.metrics import Metrics
+from tandem.telemetry.metrics import Metrics
 
 
 class BackgroundTasks:

@@ -53,7 +53,7 @@ from gateway.policy import DRAFT_UNAVAILABLE, SPECULATION_OFF, Decision, Mode
 from gateway.request import GenerationRequest, Smoothing, Speculation
 from gateway.stop import StopStringMatcher
 from gateway.upstream import UpstreamStream
-from tandem import telemetry  # mode-switch span events (tandem/telemetry.py)
+from tandem import telemetry  # mode-switch span events (tandem/telemetry/)
 from tandem.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)

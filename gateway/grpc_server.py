@@ -22,7 +22,7 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.events import Finished, TextDelta, Usage
 from gateway.validation import RequestFields
 from tandem import telemetry
-from tandem.grpc_util import Health, bind, enable_reflection, make_server
+from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name

@@ -35,8 +35,8 @@ from gateway.upstream import GrpcDraft, GrpcTarget
 from gateway.validation import RequestValidator
 from tandem import telemetry
 from tandem.config import GatewaySettings
-from tandem.grpc_util import Health
-from tandem.metrics import make_metrics
+from tandem.rpc.endpoints import Health
+from tandem.telemetry.metrics import make_metrics
 from tandem.models import default_served_name, load_tokenizer
 
 log = logging.getLogger(__name__)

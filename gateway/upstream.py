@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import GatewayError, InvalidRequest, Overloaded, UpstreamFailure, UpstreamUnavailable
 from tandem import telemetry
-from tandem.grpc_util import CHANNEL_OPTIONS
+from tandem.rpc.endpoints import CHANNEL_OPTIONS
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 T = TypeVar("T")

@@ -72,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tool_module(name: str) -> Any:
-    """``tandem.bench`` / ``tandem.calibrate`` / ``tandem.distill``: each has add_arguments and main."""
+    """``tandem.tools.bench`` / ``tandem.tools.calibrate`` / ``tandem.tools.distill``: each has add_arguments and main."""
     import importlib
 
-    return importlib.import_module(f"tandem.{name}")
+    return importlib.import_module(f"tandem.tools.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.settings_cls is None:
         return _tool_module(args.command).main(args)
     settings = settings_from(args, args.settings_cls)
-    from tandem.logs import setup_logging
+    from tandem.telemetry.logs import setup_logging
 
     setup_logging(args.command, settings.log_level)
     if args.command == "serve":

@@ -18,7 +18,7 @@ from tandem.models import DEFAULT_TARGET
 # for ngram alone (1.81x and 1.05x since 3- and 4-token passes got cheaper, and the peer with them;
 # 1.98x and 1.10x with oneDNN-packed weights and K=7).
 DEFAULT_DRAFT = "auto"
-# On a 2-core CPU a gemma-3-270m pass reads the weights once whatever the rows (tandem.cpu_linear):
+# On a 2-core CPU a gemma-3-270m pass reads the weights once whatever the rows (tandem.cpu.linear):
 # 25, 28 and 34 ms for 1, 4 and 8 tokens. So long blocks are cheap, and prompt lookup's long
 # matches pay: with ngram+eagle (eagle_k 3, min confidence 0.5) K=7 gave 1.96x of autoregressive
 # on the bench prompts against 1.90x at K=5 and 1.80x at K=3 with one head draft (the earlier

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.model_worker import ModelWorker
+from tandem.models.worker import ModelWorker
 
 
 @dataclass

@@ -32,10 +32,10 @@ import torch
 from kernels.hf_attention import install_on_cuda
 from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
 from tandem.config import TargetSettings
-from tandem.metrics import Metrics
+from tandem.telemetry.metrics import Metrics
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.quant.modules import int8_activations
-from tandem.screened_head import ScreenedArgmax, screened_argmax_for
+from tandem.cpu.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.v1 import common_pb2
 from target_service import gemma_pass, kv_cache, ragged, tree
 from target_service.api import (
@@ -105,7 +105,7 @@ class DecodeStep:
 @dataclass(frozen=True)
 class RowScores:
     """What the LM head gave a step's scored rows: their logits, or for a greedy session whose
-    head is screened (``tandem.screened_head``) only each row's argmax, all greedy decoding uses
+    head is screened (``tandem.cpu.screened_head``) only each row's argmax, all greedy decoding uses
     (neither for a step that scores no rows)."""
 
     logits: torch.Tensor | None = None  # [rows, vocab]
@@ -158,7 +158,7 @@ class TargetEngine:
     ) -> None:
         """``kv_cache_bytes``: the memory the sessions' caches may reserve (0 = no budget).
         ``screened_head``: greedy sessions take their tokens from a bfloat16 screen of the LM head
-        rescored exactly (``tandem.screened_head``) where the model and device allow it."""
+        rescored exactly (``tandem.cpu.screened_head``) where the model and device allow it."""
         if prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens

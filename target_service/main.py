@@ -19,9 +19,9 @@ import grpc
 
 from tandem import telemetry
 from tandem.config import TargetSettings
-from tandem.grpc_util import Health, bind, enable_reflection, make_server
-from tandem.metrics import Metrics, make_metrics, serve_metrics
-from tandem.model_worker import ModelWorker
+from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
+from tandem.telemetry.metrics import Metrics, make_metrics, serve_metrics
+from tandem.models.worker import ModelWorker
 from tandem.v1 import target_pb2_grpc
 from target_service.engine import TargetEngine
 from target_service.server import SERVICE_NAME, TargetServicer

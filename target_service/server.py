@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tandem.model_worker import ModelWorker
+from tandem.models.worker import ModelWorker
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service import convert
 from target_service.api import NOT_FINISHED

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from kernels.reference.compact_kv import compact_kv
-from tandem.token_tree import ROOT, depths
+from tandem.rpc.token_tree import ROOT, depths
 
 
 def forward_parents(draft_parents: Sequence[int]) -> tuple[int, ...]:

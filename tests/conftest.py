@@ -84,7 +84,7 @@ def tiny_gguf_gemma(tmp_path_factory) -> tuple[Path, Path]:
 
 def onednn_packs_bfloat16() -> bool:
     """Whether oneDNN on this host packs a bfloat16 weight (AVX-512 hosts do; AVX2-only ones do not)."""
-    from tandem.cpu_linear import pack_weight
+    from tandem.cpu.linear import pack_weight
 
     return pack_weight(torch_randn_bf16()) is not None
 
@@ -104,7 +104,7 @@ def bf16_screen_packs(monkeypatch) -> bool:
 
     if onednn_packs_bfloat16():
         return True
-    from tandem import screened_head
+    from tandem.cpu import screened_head
 
     def pack(weight):
         return weight.detach().clone() if weight.dtype == torch_randn_bf16().dtype else None

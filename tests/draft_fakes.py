@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from draft_service.types import DraftBlock, FinishReason, Verdict, VerdictStatus
-from tandem.grpc_util import Health, bind, make_server
+from tandem.rpc.endpoints import Health, bind, make_server
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 

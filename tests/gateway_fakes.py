@@ -24,9 +24,9 @@ import pytest
 
 from gateway.errors import UpstreamUnavailable
 from gateway.main import RunningGateway, start_gateway
-from tandem.bench.stack import free_port
+from tandem.tools.bench.stack import free_port
 from tandem.config import GatewaySettings
-from tandem.grpc_util import Health, bind, make_server
+from tandem.rpc.endpoints import Health, bind, make_server
 from tandem.models import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.bench.stack import free_port
+from tandem.tools.bench.stack import free_port
 from tandem.config import ServeSettings
 from tandem.supervisor import Child, child_commands, is_serving
 

@@ -9,9 +9,9 @@ import json
 import pytest
 from gateway_fakes import fake_stack, tokenizer  # noqa: F401  (fixtures)
 
-from tandem import bench
-from tandem.bench.client import RequestOptions, run_one
-from tandem.bench.prompts import Prompt
+from tandem.tools import bench
+from tandem.tools.bench.client import RequestOptions, run_one
+from tandem.tools.bench.prompts import Prompt
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -102,7 +102,7 @@ async def test_peer_auto_is_skipped_for_another_served_model(tokenizer, tiny_dir
 
 
 def test_unreachable_gateway_is_a_clear_error() -> None:
-    from tandem.bench.stack import free_port
+    from tandem.tools.bench.stack import free_port
 
     args = bench_args("--url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1", "--no-progress")
     with pytest.raises(SystemExit, match="tandem bench: the gateway at .* failed"):

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from tandem.bench.client import RequestResult
-from tandem.bench.load import Job, interleaved_jobs, mode_order, poisson_offsets, run_jobs
-from tandem.bench.prompts import Prompt, PromptFileError, load_prompts
+from tandem.tools.bench.client import RequestResult
+from tandem.tools.bench.load import Job, interleaved_jobs, mode_order, poisson_offsets, run_jobs
+from tandem.tools.bench.prompts import Prompt, PromptFileError, load_prompts
 
 PROMPTS = [Prompt("code", f"p{i}") for i in range(4)]
 

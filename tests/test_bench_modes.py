@@ -12,9 +12,9 @@ import pytest
 from test_bench_gateway import bench_args, prompts_file  # noqa: F401  (fixture)
 from test_bench_peers import FakePeer
 
-from tandem import bench
-from tandem.bench.client import RequestOptions, parse_modes, parse_temperature, request_body
-from tandem.bench.prompts import Prompt
+from tandem.tools import bench
+from tandem.tools.bench.client import RequestOptions, parse_modes, parse_temperature, request_body
+from tandem.tools.bench.prompts import Prompt
 
 
 def test_parse_modes() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tiny import make_tiny_model
 
-from tandem.bench.peer import PeerError, run_peer
-from tandem.bench.prompts import Prompt
+from tandem.tools.bench.peer import PeerError, run_peer
+from tandem.tools.bench.prompts import Prompt
 
 PROMPTS = [Prompt("code", "def fibonacci(n):\n"), Prompt("prose", "The quick brown fox")]
 

@@ -13,12 +13,12 @@ import pytest
 from gateway_fakes import fake_stack, tokenizer  # noqa: F401  (fixtures)
 from test_bench_gateway import bench_args, prompts_file  # noqa: F401  (fixture)
 
-from tandem import bench
-from tandem.bench.client import RequestOptions, RequestResult, run_one
-from tandem.bench.peers import UrlPeer, base_url, check_url, peer_modes, resolve_peers, run_peer_one
-from tandem.bench.prompts import Prompt
-from tandem.bench.report import build_report, format_report
-from tandem.bench.stack import free_port
+from tandem.tools import bench
+from tandem.tools.bench.client import RequestOptions, RequestResult, run_one
+from tandem.tools.bench.peers import UrlPeer, base_url, check_url, peer_modes, resolve_peers, run_peer_one
+from tandem.tools.bench.prompts import Prompt
+from tandem.tools.bench.report import build_report, format_report
+from tandem.tools.bench.stack import free_port
 
 TANDEM_FIELDS = {"speculation", "num_speculative_tokens", "stream_smoothing"}
 
@@ -187,7 +187,7 @@ def test_outputs_are_not_compared_unless_greedy_with_mode_off() -> None:
 
 
 def test_plot_with_peers(tmp_path) -> None:
-    from tandem.bench.plot import mode_colours, write_plot
+    from tandem.tools.bench.plot import mode_colours, write_plot
 
     run = synthetic_run()
     report = build_report("http://x", "m", 10, run, url_peers=[PEER_A, PEER_B])
@@ -211,7 +211,7 @@ def split3(text: str) -> list[str]:
 
 
 async def test_bench_with_peers_end_to_end(tokenizer, tiny_dir, prompts_file, tmp_path, capsys) -> None:  # noqa: F811
-    from tandem.bench.prompts import load_prompts
+    from tandem.tools.bench.prompts import load_prompts
 
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
     prompts = load_prompts(str(prompts_file))

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from tandem.bench.client import RequestResult
-from tandem.bench.metrics import percentile, summarize, tpot
-from tandem.bench.report import build_report, format_report, summarize_peer, write_json
+from tandem.tools.bench.client import RequestResult
+from tandem.tools.bench.metrics import percentile, summarize, tpot
+from tandem.tools.bench.report import build_report, format_report, summarize_peer, write_json
 
 
 def result(domain: str, mode: str, tokens: int, ttft: float, e2e: float, gaps: list[float], index: int = 0,
@@ -136,7 +136,7 @@ def test_plot_writes_a_png(tmp_path) -> None:
     run = synthetic_run()
     peer = summarize_peer(peer_results(), run, "prompt lookup", "tiny", 4)
     report = build_report("http://x", "m", 10, run, peer)
-    from tandem.bench.plot import write_plot
+    from tandem.tools.bench.plot import write_plot
 
     path = tmp_path / "bench.png"
     write_plot(report, [*run, *peer_results()], path)
@@ -147,7 +147,7 @@ def test_plot_writes_a_png(tmp_path) -> None:
 
 def test_plot_without_gaps_or_peer(tmp_path) -> None:
     run = [result("code", m, 1, 0.1, 0.1, []) for m in ("speculative", "autoregressive")]
-    from tandem.bench.plot import write_plot
+    from tandem.tools.bench.plot import write_plot
 
     path = tmp_path / "empty.png"
     write_plot(build_report("http://x", "m", 1, run), run, path)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tandem import bench
+from tandem.tools import bench
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny import make_tiny_model
 
-from tandem import calibrate
-from tandem.calibrate import formulas
-from tandem.calibrate.compare import compare, conditional_rates_from_runs, leading_matches
-from tandem.calibrate.drafts import checkpoint_precision
+from tandem.tools import calibrate
+from tandem.tools.calibrate import formulas
+from tandem.tools.calibrate.compare import compare, conditional_rates_from_runs, leading_matches
+from tandem.tools.calibrate.drafts import checkpoint_precision
 
 # ---- formulas --------------------------------------------------------------------------------
 
@@ -137,7 +137,7 @@ def test_ngram_is_a_match_rate_only(tiny_dir, prompts_file, tmp_path) -> None:
 
 
 def make_head(tiny_dir, folder, target_precision: str | None = None):
-    from tandem.eagle import EagleConfig, EagleHead, save_head
+    from tandem.models.eagle import EagleConfig, EagleHead, save_head
     from tandem.models import load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(str(tiny_dir))

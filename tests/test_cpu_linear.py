@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem import cpu_linear
-from tandem.cpu_linear import K_SLICE, MAX_ROWS, few_row_linear, install_cpu_linears, pack_weight, packed_linear, split_inner
+from tandem.cpu import linear as cpu_linear
+from tandem.cpu.linear import K_SLICE, MAX_ROWS, few_row_linear, install_cpu_linears, pack_weight, packed_linear, split_inner
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, MAX_ROWS, MAX_ROWS + 1, 40])

@@ -63,7 +63,7 @@ def test_compose_layout(compose) -> None:
         assert "build" in service and "models:/cache" in service["volumes"], name
         assert service["environment"]["TANDEM_HOST"] == "0.0.0.0"
         assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-        assert service["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "tandem.healthcheck"], name
+        assert service["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "tandem.rpc.healthcheck"], name
     # CPU by default, the GPU target behind a profile, reachable under the same name.
     assert services["target"]["profiles"] == ["cpu"] and services["target-gpu"]["profiles"] == ["gpu"]
     assert "COMPOSE_PROFILES=cpu" in (REPO / ".env").read_text().splitlines()
@@ -223,7 +223,7 @@ def test_services_start_as_compose_runs_them_and_serve_a_request(local, otlp) ->
     for service in TANDEM_SERVICES:
         result = local.healthcheck(service)
         assert result.returncode == 0 and "SERVING" in result.stdout, (service, result.stdout, result.stderr)
-    dead = subprocess.run([sys.executable, "-m", "tandem.healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1"],
+    dead = subprocess.run([sys.executable, "-m", "tandem.rpc.healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1"],
                           capture_output=True, text=True, timeout=30, check=False)
     assert dead.returncode == 1 and "UNAVAILABLE" in dead.stdout
     # The spans reach the OTLP endpoint compose points them at, under the compose service names.

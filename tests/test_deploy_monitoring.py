@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.metrics import make_metrics
+from tandem.telemetry.metrics import make_metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 PROMETHEUS = DEPLOY / "prometheus"

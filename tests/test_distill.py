@@ -23,7 +23,7 @@ def checkpoint_step(output: Path) -> int:
 
 
 def assert_head_runs(output: Path, target_dir: Path) -> None:
-    from tandem.eagle import EagleDrafter, load_head, load_target_tensors
+    from tandem.models.eagle import EagleDrafter, load_head, load_target_tensors
 
     head, vocab_ids = load_head(output)
     tensors = load_target_tensors(target_dir, head.config, vocab_ids)
@@ -64,7 +64,7 @@ def test_resume_continues_from_the_checkpoint(tiny_dir: Path, tmp_path: Path) ->
 
 
 def test_interrupted_collection_and_training_resume(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from tandem.distill import collect, train_loop
+    from tandem.tools.distill import collect, train_loop
 
     out = tmp_path / "run"
     real_run_job = collect.run_job
@@ -140,7 +140,7 @@ def test_unknown_kind_is_a_clear_error(tmp_path: Path, capsys) -> None:
 def test_init_from_fine_tunes_a_head_and_keeps_its_shape_and_vocabulary(tiny_gemma_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from tandem.eagle import load_head
+    from tandem.models.eagle import load_head
 
     first = tmp_path / "first"
     assert distill(tiny_gemma_dir, first, "--max-tokens", "300", "--max-steps", "2") == 0
@@ -195,7 +195,7 @@ def test_bad_numbers_and_empty_resume_are_clear_errors(tiny_dir: Path, tmp_path:
 
 @pytest.mark.slow
 def test_shipped_head_matches_the_default_target() -> None:
-    from tandem.eagle import EagleDrafter, builtin_head_dir, load_head, load_target_tensors
+    from tandem.models.eagle import EagleDrafter, builtin_head_dir, load_head, load_target_tensors
     from tandem.models import load_tokenizer, resolve, tokenizer_fingerprint
 
     folder = builtin_head_dir("gemma-3-270m")
@@ -211,7 +211,7 @@ def test_shipped_head_matches_the_default_target() -> None:
     assert config.metadata["heldout"]["rollout"]
     # its measured acceptance, which a fresh draft service's block-length policy starts from
     from draft_service.block_length import load_prior
-    from tandem.eagle import ACCEPTANCE_FILE
+    from tandem.models.eagle import ACCEPTANCE_FILE
 
     prior = load_prior(folder / ACCEPTANCE_FILE)
     sources = {source.split(":")[0] for source, _ in prior}
@@ -221,7 +221,7 @@ def test_shipped_head_matches_the_default_target() -> None:
 
 
 def test_teacher_labels_are_the_float32_targets_choices(tiny_gemma_dir: Path) -> None:
-    from tandem.distill.collect import CollectConfig, TargetRunner
+    from tandem.tools.distill.collect import CollectConfig, TargetRunner
     from tandem.models import load_model
 
     loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")

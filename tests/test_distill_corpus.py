@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from tandem.distill.corpus import _function_prefixes, code_prefix_prompts, generation_prompts
+from tandem.tools.distill.corpus import _function_prefixes, code_prefix_prompts, generation_prompts
 
 SOURCE = '''\
 import os

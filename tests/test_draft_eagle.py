@@ -26,9 +26,9 @@ from draft_service.proposers import eagle_head_dir, make_proposer
 from draft_service.proposers.eagle import EagleProposer, EagleSession, check_head_fits_target
 from draft_service.proposers.hf import VOCAB_IDS_FILE, HfProposer
 from draft_service.types import DraftBlock, FinishReason, Proposal, SamplingConfig, SessionSpec, TargetInfo
-from tandem import eagle as eagle_module
+from tandem.models import eagle as eagle_module
 from tandem.config import DraftSettings
-from tandem.eagle import EagleConfig, EagleHead, load_head, save_head
+from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
 from tandem.models import ModelSpecError, is_eagle_draft, load_model, tokenizer_fingerprint
 from tandem.quant.modules import QuantLinear
 from tandem.quant.native import QuantKernel, probe

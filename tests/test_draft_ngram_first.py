@@ -17,7 +17,7 @@ from draft_service.proposers import make_proposer
 from draft_service.proposers.ngram import NgramProposer, find_continuation
 from draft_service.proposers.ngram_first import NgramFirstProposer, NgramFirstSession
 from draft_service.types import Proposal, SamplingConfig, SparseDist
-from tandem.calibrate.run import CalibrateError, load_drafter
+from tandem.tools.calibrate.run import CalibrateError, load_drafter
 from tandem.config import DraftSettings
 from tandem.models import ModelSpecError, is_model_free_draft, ngram_first_head
 
@@ -110,7 +110,7 @@ def test_calibrate_asks_for_one_drafter_at_a_time(llama, head) -> None:
     with pytest.raises(CalibrateError, match="one at a time"):
         load_drafter(f"ngram+{head}", llama)
     # "auto" means lookup alone for a target tandem ships no head for.
-    from tandem.calibrate.drafts import NgramDrafterScorer
+    from tandem.tools.calibrate.drafts import NgramDrafterScorer
 
     assert isinstance(load_drafter("auto", llama), NgramDrafterScorer)
 

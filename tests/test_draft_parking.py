@@ -13,8 +13,8 @@ from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.types import FinishReason, SamplingConfig, SessionSpec, TargetInfo
-from tandem.metrics import make_metrics
-from tandem.model_worker import ModelWorker
+from tandem.telemetry.metrics import make_metrics
+from tandem.models.worker import ModelWorker
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 

@@ -121,7 +121,7 @@ def test_each_proposal_follows_a_cache_flush_and_is_timed() -> None:
 
 
 def test_distill_prompts_are_the_held_out_generation_prompts_never_the_bench_set() -> None:
-    from tandem.bench.prompts import load_prompts
+    from tandem.tools.bench.prompts import load_prompts
 
     prompts = draft_replay.distill_prompts("distill:24:3")
     assert len(prompts) == 24 and {p.domain for p in prompts} == {"distill"}

@@ -19,7 +19,7 @@ from draft_service.errors import TargetUnavailableError, TokenizerMismatchError
 from draft_service.main import start_draft
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer
-from tandem.metrics import make_metrics
+from tandem.telemetry.metrics import make_metrics
 from tandem.models import tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 

@@ -26,7 +26,7 @@ from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
     ScriptedModel,
     tokenizer,
 )
-from tandem.metrics import make_metrics
+from tandem.telemetry.metrics import make_metrics
 from tandem.v1 import draft_pb2
 
 K = 4

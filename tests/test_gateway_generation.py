@@ -11,7 +11,7 @@ from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
 from gateway.request import GenerationRequest, Sampling, Speculation
 from gateway.served_model import ServedModel
-from tandem.metrics import make_metrics
+from tandem.telemetry.metrics import make_metrics
 from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
     SCRIPT_TEXT,
     InMemoryDraft,

@@ -8,7 +8,7 @@ target after a quiet minute and a half). tandem's servers permit what tandem's c
 
 from __future__ import annotations
 
-from tandem import grpc_util
+from tandem.rpc import endpoints as grpc_util
 
 
 def test_servers_permit_the_pings_clients_send() -> None:

@@ -1,4 +1,4 @@
-"""tandem.model_worker: one thread, calls in order, urgent calls between two queued ones."""
+"""tandem.models.worker: one thread, calls in order, urgent calls between two queued ones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tandem.model_worker import ModelWorker
+from tandem.models.worker import ModelWorker
 
 
 @pytest.fixture

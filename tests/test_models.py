@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tandem import models
+from tandem.models import specs
 from tiny import make_tiny_model
 
 
@@ -53,7 +54,7 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     def no_second_conversion(*_args):
         raise AssertionError("the cached conversion should have been reused")
 
-    monkeypatch.setattr(models, "_convert_gguf_unlocked", no_second_conversion)
+    monkeypatch.setattr(specs, "_convert_gguf_unlocked", no_second_conversion)
     assert models.resolve(str(gguf)).hf_dir == first.hf_dir
     loaded = models.load_model(str(gguf), device="cpu", dtype="float32")
     assert loaded.name == "my-gemma" and loaded.model.config.vocab_size == 262144

@@ -1,20 +1,20 @@
-"""The committed stubs in tandem/v1 are exactly what ``python -m tandem.protogen`` makes."""
+"""The committed stubs in tandem/v1 are exactly what ``python -m tandem.rpc.protogen`` makes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tandem import protogen
+from tandem.rpc import protogen
 
 
 def test_stubs_match_protos(tmp_path: Path) -> None:
     generated = protogen.generate(tmp_path)
     committed_dir = protogen.REPO_ROOT / "tandem" / "v1"
     names = sorted(p.name for p in generated)
-    assert names == sorted(p.name for p in committed_dir.iterdir() if p.is_file()), "stub files differ; run python -m tandem.protogen"
+    assert names == sorted(p.name for p in committed_dir.iterdir() if p.is_file()), "stub files differ; run python -m tandem.rpc.protogen"
     for path in generated:
         committed = (committed_dir / path.name).read_text()
-        assert committed == path.read_text(), f"{path.name} drifted from the protos; run python -m tandem.protogen"
+        assert committed == path.read_text(), f"{path.name} drifted from the protos; run python -m tandem.rpc.protogen"
 
 
 def test_buf_style_names() -> None:

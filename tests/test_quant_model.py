@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem import models
+from tandem.models import specs
 from tandem.quant import checkpoint
 from tandem.quant import reference as quant_reference
 from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
@@ -120,7 +121,7 @@ def test_a_weight_that_is_not_the_files_dequantization_keeps_float32(tiny_gguf_g
 
 
 def _resolve_to(monkeypatch, hf_dir: Path, gguf_path: Path) -> None:
-    monkeypatch.setattr(models, "resolve", lambda spec: models.ResolvedSpec(spec, "tiny", hf_dir, gguf_path))
+    monkeypatch.setattr(specs, "resolve", lambda spec: specs.ResolvedSpec(spec, "tiny", hf_dir, gguf_path))
 
 
 def test_dtype_auto_quantizes_and_float32_does_not(tiny_gguf_gemma, tmp_path, monkeypatch) -> None:

@@ -1,5 +1,5 @@
 """One- and two-row calls of packed linears take the product timed fastest on this host
-(``tandem.row_plans``), and every product computes what F.linear computes."""
+(``tandem.cpu.row_plans``), and every product computes what F.linear computes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem import cpu_linear
-from tandem.cpu_linear import FEW, PAD, install_cpu_linears
-from tandem.row_plans import MARGIN, PACKED, tune_row_plans, tune_screen_rows
-from tandem.screened_head import ScreenedArgmax
+from tandem.cpu import linear as cpu_linear
+from tandem.cpu.linear import FEW, PAD, install_cpu_linears
+from tandem.cpu.row_plans import MARGIN, PACKED, tune_row_plans, tune_screen_rows
+from tandem.cpu.screened_head import ScreenedArgmax
 
 
 class TinyLM(torch.nn.Module):
@@ -131,10 +131,10 @@ def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch, bf16_
     chosen = tune_screen_rows(screen, model)
     assert set(chosen) <= {1, 2} and set(chosen.values()) <= {PAD}
     calls = []
-    import tandem.screened_head
+    import tandem.cpu.screened_head
 
-    original = tandem.screened_head.padded_linear  # oneDNN's, or the stand-in where this host cannot pack
-    monkeypatch.setattr("tandem.screened_head.padded_linear", lambda *a: calls.append(1) or original(*a))
+    original = tandem.cpu.screened_head.padded_linear  # oneDNN's, or the stand-in where this host cannot pack
+    monkeypatch.setattr("tandem.cpu.screened_head.padded_linear", lambda *a: calls.append(1) or original(*a))
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(6))  # [rows, hidden]
     for rows in (1, 2):
         screen.row_plan = {}
@@ -147,7 +147,7 @@ def test_a_padded_screen_gives_the_same_tokens(model: TinyLM, monkeypatch, bf16_
 
 def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch, bf16_screen_packs) -> None:
     """A model whose sweeps take long (each streams gigabytes) gets MIN_SWEEPS of them, not SWEEPS."""
-    from tandem import row_plans
+    from tandem.cpu import row_plans
 
     monkeypatch.setattr(row_plans, "SWEEP_BUDGET_S", 0.0)
     calls: list[tuple[str, int]] = []
@@ -161,7 +161,7 @@ def test_slow_sweeps_stop_at_the_minimum(model: TinyLM, monkeypatch, bf16_screen
 
 def test_an_unpacked_screen_is_not_timed(monkeypatch) -> None:
     """The other side of the probe: where oneDNN cannot pack the bfloat16 copy, no plans."""
-    monkeypatch.setattr("tandem.screened_head.pack_weight", lambda weight: None)
+    monkeypatch.setattr("tandem.cpu.screened_head.pack_weight", lambda weight: None)
     screen = ScreenedArgmax(torch.randn(500, 48))
     assert not screen.packed
     assert tune_screen_rows(screen, TinyLM(), lambda plan, rows: 1.0) == {} and screen.row_plan == {}

@@ -1,4 +1,4 @@
-"""The screened LM head (``tandem.screened_head``): exact greedy tokens from a bfloat16 screen."""
+"""The screened LM head (``tandem.cpu.screened_head``): exact greedy tokens from a bfloat16 screen."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.models import load_model
-from tandem.screened_head import BLOCK, ScreenedArgmax, screened_argmax_for
+from tandem.cpu.screened_head import BLOCK, ScreenedArgmax, screened_argmax_for
 
 
 def _exact_argmax(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +107,10 @@ def test_where_onednn_cannot_pack_the_screen_greedy_tokens_read_the_float32_head
     """The other side of the probe (an AVX2-only host): no screen, and the log says why."""
     import logging
 
-    import tandem.screened_head
+    import tandem.cpu.screened_head
 
-    monkeypatch.setattr(tandem.screened_head, "pack_weight", lambda weight: None)
+    monkeypatch.setattr(tandem.cpu.screened_head, "pack_weight", lambda weight: None)
     loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
-    with caplog.at_level(logging.INFO, logger="tandem.screened_head"):
+    with caplog.at_level(logging.INFO, logger="tandem.cpu.screened_head"):
         assert screened_argmax_for(loaded.model, "cpu", min_bytes=0) is None
     assert "oneDNN cannot pack its bfloat16 copy here" in caplog.text

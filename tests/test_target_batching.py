@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kernels import hf_attention
-from tandem.grpc_util import insecure_channel
-from tandem.metrics import make_metrics
-from tandem.model_worker import ModelWorker
+from tandem.rpc.endpoints import insecure_channel
+from tandem.telemetry.metrics import make_metrics
+from tandem.models.worker import ModelWorker
 from tandem.models import load_model
-from tandem.screened_head import ScreenedArgmax
+from tandem.cpu.screened_head import ScreenedArgmax
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service import kv_cache, ragged
 from target_service.api import FINISHED, OK, STALE, DraftBlock, GenerateResult, SparseQ, Verdict

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tandem.metrics import make_metrics
+from tandem.telemetry.metrics import make_metrics
 from tandem.models import load_model
-from tandem.screened_head import ScreenedArgmax
+from tandem.cpu.screened_head import ScreenedArgmax
 from tandem.v1 import common_pb2
 from target_service import kv_cache
 from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ

@@ -21,9 +21,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.bench.stack import free_port as _free_port
-from tandem.grpc_util import insecure_channel
-from tandem.metrics import make_metrics
+from tandem.tools.bench.stack import free_port as _free_port
+from tandem.rpc.endpoints import insecure_channel
+from tandem.telemetry.metrics import make_metrics
 from tandem.models import load_model
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import PrefillJob, TargetEngine

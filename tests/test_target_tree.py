@@ -55,7 +55,7 @@ def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -
     tree, the cache keeps the engine's invariant, and the output is transformers' greedy decoding."""
     engine = TargetEngine(target)
     if screened:  # the screened head's argmax path (the tiny head is below its size threshold otherwise)
-        from tandem.screened_head import ScreenedArgmax
+        from tandem.cpu.screened_head import ScreenedArgmax
 
         engine.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
     prompt = prompt_ids(0)

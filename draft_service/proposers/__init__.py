@@ -34,7 +34,7 @@ def eagle_head_dir(draft_spec: str, target_model: str) -> Path:
     """
     if draft_spec != EAGLE_DRAFT:
         return Path(draft_spec).expanduser()
-    from tandem.eagle import BUILTIN_HEADS_DIR, builtin_head_dir
+    from tandem.models.eagle import BUILTIN_HEADS_DIR, builtin_head_dir
 
     head = builtin_head_dir(target_model) if target_model in BUILTIN_MODELS else None
     if head is None:

@@ -1,6 +1,6 @@
 """The feature-conditioned draft (``eagle``): a small head on the target's own hidden states.
 
-The head (``tandem.eagle``) predicts the target's next final hidden state from the current one and
+The head (``tandem.models.eagle``) predicts the target's next final hidden state from the current one and
 the next token's embedding, and scores it with the target's own LM-head rows. So a session needs
 one thing the token ids do not give: the target's feature at the position before the last
 committed token. Every verdict brings it (the loop asks for hidden states in every block because
@@ -17,7 +17,7 @@ sessions draw from the renormalised top-k of the tempered reduced logits (``TopK
 its seeding rules), and the block carries that exact sparse q in target ids, so the target's
 rejection sampling stays exact: tokens outside the reduced vocabulary simply have q = 0.
 
-Sessions live on the draft's single model thread (``tandem.model_worker``); no locking.
+Sessions live on the draft's single model thread (``tandem.models.worker``); no locking.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSessio
 from draft_service.proposers.sampling import TopKSampler
 from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
 from tandem.quant.native import QuantKernel
-from tandem.eagle import (
+from tandem.models.eagle import (
     ACCEPTANCE_FILE,
     EagleConfig,
     EagleDrafter,
@@ -276,7 +276,7 @@ class EagleProposer(Proposer):
         Checks the head against the target's Info first, before reading the large embedding
         ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
         the head RMS-normalises the rows it looks up, so the rounding is immaterial). ``dtype`` and
-        ``vocab_limit`` are the drafter's (``tandem.eagle.EagleDrafter``): steps in bf16 over the
+        ``vocab_limit`` are the drafter's (``tandem.models.eagle.EagleDrafter``): steps in bf16 over the
         most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it), or with a
         quantized ``kernel`` on Q8_0 blocks of the head's weights and rows. A head
         directory may hold ``acceptance.json``, how its drafts (and lookup's beside them) were

@@ -19,7 +19,7 @@ K (default 7), and stops early where it doubts its own draft (``--eagle-min-conf
 0.5). Its deeper drafts are accepted less often (0.74, 0.52, 0.38 by depth on held-out text for
 the shipped head). While a 4-token verification cost 39 ms against 36 ms for one on a CPU, one
 head draft was best; now that passes over up to 8 tokens cost little more than one
-(``tandem.cpu_linear``), three are (measured in ``tandem.config`` beside ``DEFAULT_K``).
+(``tandem.cpu.linear``), three are (measured in ``tandem.config`` beside ``DEFAULT_K``).
 
 Greedy sessions draft a token tree instead where lookup has no strong match (``TokenTree``,
 ``--draft-tree-nodes N``, default 5; 0 = chains): the head's top guesses at each position and

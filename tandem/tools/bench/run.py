@@ -1,0 +1,111 @@
+"""The measured phases of ``tandem bench``: tandem's modes and the URL peers over HTTP (interleaved,
+under the chosen load), then the in-process transformers peer alone on the machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from tandem.tools.bench.client import RequestOptions, RequestResult, run_one
+from tandem.tools.bench.load import Job, interleaved_jobs, run_jobs
+from tandem.tools.bench.peers import UrlPeer, run_peer_one
+from tandem.tools.bench.prompts import Prompt
+from tandem.tools.bench.report import PeerReport, summarize_peer
+
+# Read timeout of one streamed request (s): a slow CPU peer may take minutes for a long answer.
+REQUEST_TIMEOUT_S = 600.0
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+
+
+def _warm_up(client: httpx.Client, url: str, prompts: Sequence[Prompt], modes: Sequence[str],
+             peers: Sequence[UrlPeer], options: RequestOptions) -> None:
+    """Every mode, peers included, answers the first prompts once (shorter) before the clock starts.
+
+    A tandem mode that fails here ends the run (the gateway is broken); a peer that fails is only
+    reported on stderr: its measured requests will fail and be counted too.
+    """
+    for mode in modes:
+        for prompt in prompts:
+            run_one(client, url, prompt, mode, options)
+    for peer in peers:
+        for prompt in prompts:
+            try:
+                run_peer_one(client, peer, prompt, options)
+            except Exception as exc:  # noqa: BLE001 (a broken peer must not end the run)
+                print(f"tandem bench: warm-up of {peer.mode} ({peer.url}) failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+                break
+
+
+def run_http_phases(
+    url: str, peers: Sequence[UrlPeer], prompts: Sequence[Prompt], options: RequestOptions, modes: Sequence[str],
+    args: argparse.Namespace, progress: bool,
+) -> tuple[list[RequestResult], float]:
+    """Warm-up, then every prompt in every tandem mode and to every peer (interleaved per prompt);
+    returns the results (schedule order) and the measured wall time (s)."""
+    by_mode = {peer.mode: peer for peer in peers}
+    with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)) as client:
+        warm = RequestOptions(options.model, min(8, options.max_tokens), options.temperature,
+                              options.stream_smoothing, options.num_speculative_tokens)
+        _warm_up(client, url, prompts[: args.warmup], modes, peers, warm)
+
+        def send(job: Job) -> RequestResult:
+            peer = by_mode.get(job.mode)
+            if peer is not None:
+                return run_peer_one(client, peer, job.prompt, options, job.prompt_index)
+            return run_one(client, url, job.prompt, job.mode, options, job.prompt_index)
+
+        jobs = interleaved_jobs(prompts, [*modes, *by_mode])
+        bar = progress_bar(len(jobs), "bench " + "/".join([*modes, *by_mode]), progress)
+        started = time.perf_counter()
+        try:
+            results = run_jobs(jobs, send, concurrency=args.concurrency, request_rate=args.request_rate,
+                               seed=args.seed, on_done=lambda _result: bar.update(1))
+        finally:
+            bar.close()
+        return results, time.perf_counter() - started
+
+
+def peer_plan(args: argparse.Namespace, model_id: str, own_stack: bool) -> str | None:
+    """Why the in-process transformers peer is skipped, or None to run it."""
+    from tandem import models
+
+    if args.peer == "none":
+        return "--peer none"
+    if args.temperature is None:
+        return "the peer is greedy only (--temperature default: the server's default applies)"
+    if args.temperature > 0:
+        return "the peer is greedy only (--temperature > 0)"
+    if args.peer == "auto":
+        if not own_stack and model_id != models.default_served_name(args.target_model):
+            return (f"the gateway serves {model_id!r}, not --target-model {args.target_model!r} "
+                    "(pass --target-model, or --peer assisted to force it)")
+        try:
+            models.resolve(args.target_model)
+        except (models.ModelSpecError, OSError, ImportError) as exc:
+            return f"the target is not available locally ({exc})"
+    return None
+
+
+def run_peer_phase(
+    args: argparse.Namespace, prompts: Sequence[Prompt], k: int, stack_results: Sequence[RequestResult], progress: bool
+) -> tuple[PeerReport, list[RequestResult]]:
+    from tandem.tools.bench.peer import run_peer
+
+    bar = progress_bar(len(prompts), "bench peer", progress)
+    try:
+        run = run_peer(args.target_model, args.peer_assistant, prompts, args.max_tokens, k, args.device, args.dtype,
+                       warmup=args.warmup, on_done=lambda _result: bar.update(1))
+    finally:
+        bar.close()
+    report = summarize_peer(run.results, stack_results, run.assistant, args.target_model, k, run.device, run.dtype)
+    return report, run.results
