@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy, save_prior
 from draft_service.loop import root_path_length
 from draft_service.proposers import make_proposer
-from draft_service.types import SamplingConfig, TargetInfo
+from draft_service.types import SamplingParams, TargetInfo
 from tandem.tools.bench.prompts import Prompt, load_prompts
 from tandem.config import DraftSettings
 from tandem.models import load_model, tokenizer_fingerprint
@@ -158,7 +158,7 @@ def replay(
     ids, plen, hidden = run["ids"], run["prompt_len"], run["hidden"]
     end = len(ids)
     committed = plen + 1  # the prefill commits the first token
-    session = proposer.new_session(ids[:committed], SamplingConfig())
+    session = proposer.new_session(ids[:committed], SamplingParams())
     seconds, rounds = 0.0, 0
     local = AcceptanceTally()
     try:

@@ -23,7 +23,7 @@ from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.proposers.base import Proposer, ProposerSession
-from draft_service.types import FinishReason, RoundResult, SamplingConfig, SessionSpec, TargetInfo
+from draft_service.types import FinishReason, RoundResult, SamplingParams, SessionSpec, TargetInfo
 from tandem.telemetry.metrics import Metrics
 from tandem.models.worker import ModelWorker
 
@@ -58,7 +58,7 @@ class _Parked:
 
     session: ProposerSession
     token_ids: tuple[int, ...]  # the committed sequence it stands for, pending commit included
-    sampling: SamplingConfig
+    sampling: SamplingParams
     pending_commit: PendingCommit | None
     parked_at: float
     acceptance: AcceptanceTally | None = None  # the session's own record for the block-length policy

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.proposers.base import ProposerSession
-from draft_service.types import DraftBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
+from draft_service.types import ProposedBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ def root_path_length(proposal: Proposal, tokens: Sequence[int]) -> int:
 
 
 class BlockVerifier(Protocol):
-    async def verify(self, block: DraftBlock) -> Verdict:
+    async def verify(self, block: ProposedBlock) -> Verdict:
         """Sends one block and returns its verdict."""
         ...
 
@@ -207,7 +207,7 @@ class SpeculationLoop:
         return proposal
 
     async def _verify(self, base_len: int, proposal: Proposal) -> Verdict:
-        block = DraftBlock(
+        block = ProposedBlock(
             session_id=self._spec.session_id,
             block_id=self._next_block_id,
             base_len=base_len,

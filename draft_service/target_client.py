@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service import wire
 from draft_service.errors import ProtocolError, TargetUnavailableError
-from draft_service.types import DraftBlock, TargetInfo, Verdict
+from draft_service.types import ProposedBlock, TargetInfo, Verdict
 from tandem import telemetry
 from tandem.rpc.endpoints import insecure_channel
 from tandem.v1 import target_pb2, target_pb2_grpc
@@ -33,7 +33,7 @@ class GrpcVerifyStream:
         self._close_timeout_s = close_timeout_s
         self._span = span if span is not None else telemetry.ClientCall(None, None)
 
-    async def verify(self, block: DraftBlock) -> Verdict:
+    async def verify(self, block: ProposedBlock) -> Verdict:
         # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here,
         # with the target's code and message, which the server passes on to its caller.
         try:

@@ -6,53 +6,18 @@ them with ordinary values and keeps wire details (field presence, enum numbering
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.rpc.token_tree import depths
-
-if TYPE_CHECKING:
-    import torch
-
-
-class FinishReason(enum.Enum):
-    """Why a session stopped growing (mirrors ``tandem.v1.FinishReason``)."""
-
-    NONE = "none"  # not finished yet
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-
-
-class VerdictStatus(enum.Enum):
-    """What the target did with a block (mirrors ``tandem.v1.VerdictStatus``)."""
-
-    OK = "ok"
-    STALE = "stale"  # the block did not extend the committed sequence; nothing changed
-    FINISHED = "finished"  # the session had already finished; nothing changed
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The session's sampling parameters; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 0.0  # 0 or 1: no nucleus truncation
-    top_k: int = 0  # 0: no top-k truncation
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class SparseDist:
-    """A proposal distribution q at one draft position, zero outside ``token_ids``."""
-
-    token_ids: tuple[int, ...]
-    probs: tuple[float, ...]
+# Shared with the target and the gateway: one class per meaning (tandem.rpc.types).
+from tandem.rpc.types import (  # noqa: F401 (Verdict, VerdictStatus: re-exported for the draft's modules)
+    DraftBlock,
+    FinishReason,
+    SamplingParams,
+    SparseDist,
+    Verdict,
+    VerdictStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +73,7 @@ class SessionSpec:
     session_id: str
     token_ids: tuple[int, ...]  # the committed sequence: prompt + tokens generated so far
     prompt_len: int
-    sampling: SamplingConfig
+    sampling: SamplingParams
     num_speculative_tokens: int  # K, already resolved from the service default
     session_max_new_tokens: int = 0  # the target session's budget incl. the prefill token; 0 = none
     max_new_tokens: int = 0  # the call ends after the round that streams this many in all; 0 = with the session
@@ -116,9 +81,10 @@ class SessionSpec:
 
 
 @dataclass(frozen=True)
-class DraftBlock:
-    """One VerifyRequest: draft tokens extending ``committed[:base_len]`` (not pipelined, so no
-    assumed tokens)."""
+class ProposedBlock:
+    """A proposal on its way to the target: the :class:`DraftBlock` it is sent as (:meth:`block`),
+    with the proposal itself kept whole (its sources stay in the draft service). Not pipelined, so
+    no assumed tokens."""
 
     session_id: str
     block_id: int
@@ -128,21 +94,18 @@ class DraftBlock:
     # Ask the target for this block's hidden states (feature-conditioned proposers).
     return_hidden_states: bool = False
 
-
-@dataclass(frozen=True)
-class Verdict:
-    """One VerifyResponse."""
-
-    block_id: int
-    status: VerdictStatus
-    num_accepted: int = 0
-    committed_token_ids: tuple[int, ...] = ()  # accepted + one recovered or bonus token
-    committed_len: int = 0  # after this verdict (STALE: the target's current length)
-    finish_reason: FinishReason = FinishReason.NONE
-    verify_seconds: float = 0.0
-    # [len(committed_token_ids), hidden] float32 when the block asked for them: row i is the
-    # target's final hidden state at the position whose logits produced committed_token_ids[i].
-    hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    def block(self) -> DraftBlock:
+        proposal = self.proposal
+        return DraftBlock(
+            session_id=self.session_id,
+            base_len=self.base_len,
+            draft_token_ids=proposal.token_ids,
+            draft_probs=proposal.probs,
+            block_id=self.block_id,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            return_hidden_states=self.return_hidden_states,
+            draft_parents=proposal.parents,
+        )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from draft_service.types import DraftBlock, FinishReason, Verdict, VerdictStatus
+from draft_service.types import ProposedBlock, FinishReason, Verdict, VerdictStatus
 from tandem.rpc.endpoints import Health, bind, make_server
 from tandem.models import LoadedModel, load_model, tokenizer_fingerprint
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -168,9 +168,9 @@ class InMemoryVerifier:
 
     def __init__(self, target: ReferenceTarget) -> None:
         self.target = target
-        self.blocks: list[DraftBlock] = []
+        self.blocks: list[ProposedBlock] = []
 
-    async def verify(self, block: DraftBlock) -> Verdict:
+    async def verify(self, block: ProposedBlock) -> Verdict:
         self.blocks.append(block)
         proposal = block.proposal
         verdict = self.target.verify(block.session_id, block.base_len, (), proposal.token_ids, proposal.parents)

@@ -21,7 +21,7 @@ from draft_service.block_length import (
 from draft_service.loop import SpeculationLoop
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer, agreeing_run, match_bucket
-from draft_service.types import FinishReason, Proposal, SamplingConfig, SessionSpec, SparseDist
+from draft_service.types import FinishReason, Proposal, SamplingParams, SessionSpec, SparseDist
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
@@ -192,7 +192,7 @@ def test_lookup_names_how_long_the_copied_context_has_agreed():
     # The suffix's last 4 tokens recur at 3..6; the agreement reaches back 6 tokens to the 1.
     assert agreeing_run(tokens, start=7, n=4) == 6
     assert [match_bucket(r) for r in (1, 2, 3, 4, 7, 8, 15, 16, 40)] == [1, 2, 3, 4, 4, 8, 8, 16, 16]
-    session = NgramProposer(ngram_max=4).new_session(tokens.tolist(), SamplingConfig())
+    session = NgramProposer(ngram_max=4).new_session(tokens.tolist(), SamplingParams())
     proposal = session.propose(3)
     assert proposal.token_ids == (7, 8, 0) and proposal.sources == ("lookup:4",) * 3
 
@@ -211,9 +211,9 @@ async def test_the_loop_sends_cut_blocks_and_the_output_stays_the_targets(tiny_d
     # Passes past three rows look a thousand times dearer: blocks keep two drafts.
     policy = policy_with_costs({1: 1, 2: 1, 3: 1, 4: 1000, 5: 1000})
     spec = SessionSpec(
-        "s", committed, len(PROMPT), SamplingConfig(), num_speculative_tokens=4, session_max_new_tokens=n
+        "s", committed, len(PROMPT), SamplingParams(), num_speculative_tokens=4, session_max_new_tokens=n
     )
-    session = HfProposer(target).new_session(committed, SamplingConfig())  # drafts name "model:..." sources
+    session = HfProposer(target).new_session(committed, SamplingParams())  # drafts name "model:..." sources
     loop = SpeculationLoop(spec, session, verifier, run_inline, lengths=policy)
     results = [result async for result in loop.rounds()]
     streamed = [token for result in results for token in result.token_ids]

@@ -25,7 +25,7 @@ from draft_service.main import start_draft
 from draft_service.proposers import eagle_head_dir, make_proposer
 from draft_service.proposers.eagle import EagleProposer, EagleSession, check_head_fits_target
 from draft_service.proposers.hf import VOCAB_IDS_FILE, HfProposer
-from draft_service.types import DraftBlock, FinishReason, Proposal, SamplingConfig, SessionSpec, TargetInfo
+from draft_service.types import ProposedBlock, FinishReason, Proposal, SamplingParams, SessionSpec, TargetInfo
 from tandem.models import eagle as eagle_module
 from tandem.config import DraftSettings
 from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
@@ -120,9 +120,9 @@ class EngineVerifier:
 
     def __init__(self, engine: TargetEngine) -> None:
         self.engine = engine
-        self.blocks: list[DraftBlock] = []
+        self.blocks: list[ProposedBlock] = []
 
-    async def verify(self, block: DraftBlock):
+    async def verify(self, block: ProposedBlock):
         self.blocks.append(block)
         verdict = self.engine.verify(
             TargetBlock(
@@ -146,7 +146,7 @@ async def speculate_in_process(loaded, proposer, n: int, k: int = 4, **sampling)
     engine = TargetEngine(loaded)
     first = engine.prefill("s", PROMPT, SessionConfig(max_new_tokens=n, **sampling))
     committed = (*PROMPT, first.token_id)
-    sampling_config = SamplingConfig(**sampling)
+    sampling_config = SamplingParams(**sampling)
     spec = SessionSpec("s", committed, len(PROMPT), sampling_config, k, session_max_new_tokens=n)
     verifier = EngineVerifier(engine)
     loop = SpeculationLoop(
@@ -251,7 +251,7 @@ def test_sampled_q_is_the_renormalised_top_k_of_the_tempered_reduced_logits(llam
     temperature = 0.7
 
     def first_q(seed: int, **sampling):
-        session = proposer.new_session(PROMPT, SamplingConfig(temperature=temperature, seed=seed, **sampling))
+        session = proposer.new_session(PROMPT, SamplingParams(temperature=temperature, seed=seed, **sampling))
         session.commit(len(PROMPT), (50, 51), hidden)
         return session.propose(3)
 
@@ -273,7 +273,7 @@ def test_sampled_q_is_the_renormalised_top_k_of_the_tempered_reduced_logits(llam
 
 def test_commit_takes_the_feature_from_the_last_row(llama, llama_head):
     proposer = load_eagle(llama_head, llama)
-    session = proposer.new_session(PROMPT, SamplingConfig())
+    session = proposer.new_session(PROMPT, SamplingParams())
     assert isinstance(session, EagleSession)
     assert session.propose(4) == Proposal()  # no feature yet: an empty block
     hidden = torch.randn(3, 32)
@@ -354,7 +354,7 @@ def test_a_vocab_limit_keeps_the_most_frequent_prefix(llama, llama_head):
     with pytest.raises(ValueError, match="vocab_limit"):
         load_eagle(llama_head, llama, vocab_limit=-1)
     # Every drafted id is one of the kept ones.
-    session = cut.new_session(PROMPT, SamplingConfig())
+    session = cut.new_session(PROMPT, SamplingParams())
     session.commit(len(PROMPT), (7,), torch.randn(1, 32))
     assert set(session.propose(4).token_ids) <= set(cut.drafter.vocab_ids.tolist())
 
@@ -478,9 +478,9 @@ def test_settings_carry_the_target_model(monkeypatch):
 
 
 def test_hidden_states_on_the_draft_wire():
-    block = DraftBlock("s", 3, 10, Proposal((5,)), return_hidden_states=True)
+    block = ProposedBlock("s", 3, 10, Proposal((5,)), return_hidden_states=True)
     assert wire.verify_request(block).return_hidden_states is True
-    assert wire.verify_request(DraftBlock("s", 3, 10, Proposal((5,)))).return_hidden_states is False
+    assert wire.verify_request(ProposedBlock("s", 3, 10, Proposal((5,)))).return_hidden_states is False
     hidden = torch.randn(2, 8)
     response = target_pb2.VerifyResponse(
         block_id=3, status=target_pb2.VERDICT_STATUS_OK, num_accepted=1, committed_token_ids=[5, 6],
@@ -540,9 +540,9 @@ async def test_reduced_vocabulary_hf_draft_is_lossless(llama, tmp_path, kept):
     reference = ReferenceTarget(llama.model, (llama.tokenizer.eos_token_id,))
     first, _ = reference.prefill("s", PROMPT, max_new_tokens=n)
     committed = (*PROMPT, first)
-    spec = SessionSpec("s", committed, len(PROMPT), SamplingConfig(), 4, session_max_new_tokens=n)
+    spec = SessionSpec("s", committed, len(PROMPT), SamplingParams(), 4, session_max_new_tokens=n)
     verifier = InMemoryVerifier(reference)
-    results = [r async for r in SpeculationLoop(spec, proposer.new_session(committed, SamplingConfig()), verifier,
+    results = [r async for r in SpeculationLoop(spec, proposer.new_session(committed, SamplingParams()), verifier,
                                                 run_inline).rounds()]
     tokens = [first, *(t for r in results for t in r.token_ids)]
     assert tokens == generate_greedy(llama.model, PROMPT, n, llama.tokenizer.eos_token_id)
@@ -552,7 +552,7 @@ async def test_reduced_vocabulary_hf_draft_is_lossless(llama, tmp_path, kept):
         assert all(r.num_accepted == r.num_draft_tokens for r in results[:-1])
         assert sum(r.num_draft_tokens for r in results) > n // 2
     # Sampling: q's support is in target ids, inside the kept set.
-    session = proposer.new_session(committed, SamplingConfig(temperature=1.0, seed=0))
+    session = proposer.new_session(committed, SamplingParams(temperature=1.0, seed=0))
     proposal = session.propose(4)
     assert all(set(q.token_ids) <= kept_ids and t in q.token_ids for t, q in zip(proposal.token_ids, proposal.probs))
 

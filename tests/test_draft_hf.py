@@ -11,9 +11,9 @@ from tiny import make_tiny_model
 
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.sampling import draft_seed
-from draft_service.types import SamplingConfig
+from draft_service.types import SamplingParams
 
-GREEDY = SamplingConfig()
+GREEDY = SamplingParams()
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 K = 4
 
@@ -81,7 +81,7 @@ def _first_q(loaded, sampling, top_k=8, vocab_limit=None):
 
 def test_sampling_q_is_the_renormalised_top_k_of_the_tempered_logits(draft):
     temperature = 0.7
-    proposal = _first_q(draft, SamplingConfig(temperature=temperature, seed=5))
+    proposal = _first_q(draft, SamplingParams(temperature=temperature, seed=5))
     assert len(proposal.probs) == len(proposal.token_ids) == K
     for token, dist in zip(proposal.token_ids, proposal.probs):
         assert len(dist.token_ids) <= 8 and len(set(dist.token_ids)) == len(dist.token_ids)
@@ -97,19 +97,19 @@ def test_sampling_q_is_the_renormalised_top_k_of_the_tempered_logits(draft):
 
 
 def test_sampling_is_seeded_per_session(draft):
-    a = _first_q(draft, SamplingConfig(temperature=1.5, seed=11))
-    b = _first_q(draft, SamplingConfig(temperature=1.5, seed=11))
+    a = _first_q(draft, SamplingParams(temperature=1.5, seed=11))
+    b = _first_q(draft, SamplingParams(temperature=1.5, seed=11))
     assert a == b
-    others = {_first_q(draft, SamplingConfig(temperature=1.5, seed=s)).token_ids for s in range(12, 20)}
+    others = {_first_q(draft, SamplingParams(temperature=1.5, seed=s)).token_ids for s in range(12, 20)}
     assert len(others | {a.token_ids}) > 1
     # The draft's stream must not be the target's (same session seed): the seed is derived.
     assert draft_seed(11) != 11 and draft_seed(11) == draft_seed(11)
 
 
 def test_session_top_k_and_top_p_narrow_q(draft):
-    narrow = _first_q(draft, SamplingConfig(temperature=1.0, top_k=3, seed=1))
+    narrow = _first_q(draft, SamplingParams(temperature=1.0, top_k=3, seed=1))
     assert all(len(dist.token_ids) <= 3 for dist in narrow.probs)
-    nucleus = _first_q(draft, SamplingConfig(temperature=1.0, top_p=0.5, seed=1), top_k=32)
+    nucleus = _first_q(draft, SamplingParams(temperature=1.0, top_p=0.5, seed=1), top_k=32)
     for dist in nucleus.probs:
         # Kept: the smallest prefix of the sorted top-k with mass >= 0.5 (of the top-k mass).
         assert sum(dist.probs) == pytest.approx(1.0, abs=1e-5)
@@ -122,7 +122,7 @@ def test_ids_beyond_the_target_vocabulary_are_never_proposed(draft):
     masked = _first_q(draft, GREEDY, vocab_limit=greedy_first)
     assert masked.token_ids[0] != greedy_first
     assert all(token < greedy_first for token in masked.token_ids)
-    sampled = _first_q(draft, SamplingConfig(temperature=2.0, seed=0), top_k=64, vocab_limit=greedy_first)
+    sampled = _first_q(draft, SamplingParams(temperature=2.0, seed=0), top_k=64, vocab_limit=greedy_first)
     assert all(i < greedy_first for dist in sampled.probs for i in dist.token_ids)
 
 

@@ -17,7 +17,7 @@ from draft_service.errors import DivergedError, ProtocolError
 from draft_service.loop import MAX_STALE_RETRIES, SpeculationLoop
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer
-from draft_service.types import FinishReason, RoundResult, SamplingConfig, SessionSpec, Verdict, VerdictStatus
+from draft_service.types import FinishReason, RoundResult, SamplingParams, SessionSpec, Verdict, VerdictStatus
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
@@ -58,7 +58,7 @@ def start_session(target, prompt=PROMPT, **prefill) -> tuple[ReferenceTarget, tu
     return reference, (*prompt, first)
 
 
-GREEDY = SamplingConfig()
+GREEDY = SamplingParams()
 
 
 def make_loop(proposer, verifier, committed, k=4, sampling=GREEDY, **spec_fields):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from draft_service.proposers.ngram import NgramProposer, find_continuation, find_match
-from draft_service.types import SamplingConfig
+from draft_service.types import SamplingParams
 
-GREEDY = SamplingConfig()
+GREEDY = SamplingParams()
 
 
 def lookup(tokens, ngram_max=4, ngram_min=1):
@@ -105,7 +105,7 @@ def test_commit_rolls_back_unaccepted_drafts_and_appends_the_verdict():
 
 
 def test_sampling_sessions_stay_deterministic_without_q():
-    sampling = SamplingConfig(temperature=1.0, seed=3)
+    sampling = SamplingParams(temperature=1.0, seed=3)
     proposal = NgramProposer().new_session([1, 2, 1], sampling).propose(3)
     assert proposal.token_ids == (2, 1, 2) and proposal.probs == ()
 

@@ -16,7 +16,7 @@ from test_draft_eagle import PROMPT, load_eagle, make_head, speculate_in_process
 from draft_service.proposers import make_proposer
 from draft_service.proposers.ngram import NgramProposer, find_continuation
 from draft_service.proposers.ngram_first import NgramFirstProposer, NgramFirstSession
-from draft_service.types import Proposal, SamplingConfig, SparseDist
+from draft_service.types import Proposal, SamplingParams, SparseDist
 from tandem.tools.calibrate.run import CalibrateError, load_drafter
 from tandem.config import DraftSettings
 from tandem.models import ModelSpecError, is_model_free_draft, ngram_first_head
@@ -40,13 +40,13 @@ def proposer(llama, head) -> NgramFirstProposer:
 def test_lookup_drafts_when_the_suffix_recurs_and_the_head_otherwise(proposer: NgramFirstProposer) -> None:
     hidden = torch.randn(3, proposer.eagle.drafter.config.hidden_size)  # [3, hidden]
     tokens = [5, 6, 7, 8, 9]  # no token recurs: lookup has nothing
-    session = proposer.new_session(tokens, SamplingConfig())
+    session = proposer.new_session(tokens, SamplingParams())
     assert isinstance(session, NgramFirstSession)
     assert session.propose(3).token_ids == ()  # no lookup match and no feature yet: an empty block
 
     session.commit(5, (10, 11, 12), hidden)  # a verdict with its hidden states
     tokens += [10, 11, 12]
-    eagle_only = proposer.eagle.new_session(tokens, SamplingConfig())
+    eagle_only = proposer.eagle.new_session(tokens, SamplingParams())
     eagle_only.commit(8, (), None)
     eagle_only.commit(5, (10, 11, 12), hidden)
     by_head = session.propose(3)
@@ -120,7 +120,7 @@ def test_an_eagle_block_ends_where_the_head_doubts_itself(llama, head) -> None:
 
     def block(min_confidence: float) -> tuple[int, ...]:
         proposer = load_eagle(head, llama, min_confidence=min_confidence)
-        session = proposer.new_session(PROMPT, SamplingConfig())
+        session = proposer.new_session(PROMPT, SamplingParams())
         session.commit(len(PROMPT), (50, 51), hidden)
         return session.propose(4).token_ids
 
@@ -136,7 +136,7 @@ def test_the_head_drafts_at_most_head_k_tokens_and_lookup_keeps_k(llama, head) -
     hidden = torch.randn(1, 32)  # [1, hidden]
     for head_k, expected in ((1, 1), (2, 2), (0, 3), (5, 3)):
         proposer = NgramFirstProposer(NgramProposer(), load_eagle(head, llama), head_k=head_k)
-        session = proposer.new_session([5, 6, 7, 8, 9], SamplingConfig())
+        session = proposer.new_session([5, 6, 7, 8, 9], SamplingParams())
         session.commit(5, (10,), hidden)
         assert len(session.propose(3).token_ids) == expected  # the head, capped at head_k
         session.commit(6, (7,), hidden)  # 7 recurs: lookup drafts the full K whatever head_k is
@@ -148,19 +148,19 @@ def test_the_head_drafts_at_most_head_k_tokens_and_lookup_keeps_k(llama, head) -
 def test_the_heads_first_draft_is_its_proposals_first_token_and_is_reused(llama, head) -> None:
     hidden = torch.randn(2, llama.model.config.hidden_size)  # [2, hidden]
     proposer = load_eagle(head, llama)
-    session = proposer.new_session(PROMPT, SamplingConfig())
+    session = proposer.new_session(PROMPT, SamplingParams())
     assert session.first_draft() is None  # no feature yet
     session.commit(len(PROMPT), (50, 51), hidden)
     token, probability = session.first_draft()
     assert 0.0 < probability <= 1.0
-    fresh = proposer.new_session(PROMPT, SamplingConfig())
+    fresh = proposer.new_session(PROMPT, SamplingParams())
     fresh.commit(len(PROMPT), (50, 51), hidden)
     block = fresh.propose(3)
     assert block.token_ids[0] == token
     assert session.propose(3) == block  # the kept first step gives the same block
     # A commit moves the feature: the next first draft is computed anew, as a fresh session's.
     session.commit(len(PROMPT) + 2, (token,), hidden[:1])
-    fresh = proposer.new_session([*PROMPT, 50, 51, token], SamplingConfig())
+    fresh = proposer.new_session([*PROMPT, 50, 51, token], SamplingParams())
     fresh.commit(len(PROMPT) + 3, (), None)
     fresh.commit(len(PROMPT) + 2, (token,), hidden[:1])
     assert session.first_draft() == fresh.first_draft()
@@ -172,7 +172,7 @@ def test_the_head_overrules_a_lookup_block_from_a_one_token_match_only_when_sure
 
     def session(tokens: list[int], overrule_confidence: float) -> NgramFirstSession:
         made = NgramFirstProposer(NgramProposer(), eagle, overrule_confidence=overrule_confidence).new_session(
-            tokens[:-1], SamplingConfig()
+            tokens[:-1], SamplingParams()
         )
         made.commit(len(tokens) - 1, tokens[-1:], hidden)  # the head's feature for the last token
         return made
@@ -210,7 +210,7 @@ def test_lookup_continues_a_head_block_that_ends_on_a_recurring_span(llama, head
     proposer = NgramFirstProposer(NgramProposer(), eagle, head_k=2)
 
     def session(tokens: list[int]) -> NgramFirstSession:
-        made = proposer.new_session(tokens[:-1], SamplingConfig())
+        made = proposer.new_session(tokens[:-1], SamplingParams())
         made.commit(len(tokens) - 1, tokens[-1:], hidden)
         return made
 

@@ -12,7 +12,7 @@ from draft_fakes import InMemoryVerifier, ReferenceTarget, load_tiny
 from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.proposers.ngram import NgramProposer
-from draft_service.types import FinishReason, SamplingConfig, SessionSpec, TargetInfo
+from draft_service.types import FinishReason, SamplingParams, SessionSpec, TargetInfo
 from tandem.telemetry.metrics import make_metrics
 from tandem.models.worker import ModelWorker
 
@@ -92,7 +92,7 @@ def setup(target):
     return reference, proposer, engine, worker, clock
 
 
-async def leg(engine: DraftEngine, reference: ReferenceTarget, session_id: str, n: int, sampling=SamplingConfig()):
+async def leg(engine: DraftEngine, reference: ReferenceTarget, session_id: str, n: int, sampling=SamplingParams()):
     tokens = tuple(reference.sessions[session_id].tokens)
     spec = SessionSpec(session_id, tokens, len(PROMPT), sampling, 3, max_new_tokens=n)
     async with aclosing(engine.speculate(spec)) as rounds:
@@ -114,7 +114,7 @@ async def test_parked_sessions_expire_are_bounded_and_never_resume_on_other_toke
     await leg(engine, reference, "b", 4)  # resumed
     assert proposer.opened == 3
     # A different sampling configuration does not resume "c"'s greedy session.
-    await leg(engine, reference, "c", 4, SamplingConfig(temperature=1.0, seed=1))
+    await leg(engine, reference, "c", 4, SamplingParams(temperature=1.0, seed=1))
     await drained(worker)
     assert (proposer.opened, proposer.closed) == (4, 2)
     # Past the TTL, a parked session is closed and the next call starts afresh.
@@ -138,7 +138,7 @@ async def test_a_call_closed_after_the_finishing_round_releases_nothing(setup) -
     port = engine._target
     for session_id, stop_at_finish in (("done", True), ("left", False)):
         reference.prefill(session_id, PROMPT, max_new_tokens=6)
-        spec = SessionSpec(session_id, tuple(reference.sessions[session_id].tokens), len(PROMPT), SamplingConfig(), 3)
+        spec = SessionSpec(session_id, tuple(reference.sessions[session_id].tokens), len(PROMPT), SamplingParams(), 3)
         async with aclosing(engine.speculate(spec)) as rounds:
             async for result in rounds:
                 if not stop_at_finish or result.finish_reason is not FinishReason.NONE:

@@ -26,10 +26,10 @@ from draft_service.proposers.ngram_first import (
     TokenTree,
 )
 from draft_service.types import (
-    DraftBlock,
+    ProposedBlock,
     FinishReason,
     Proposal,
-    SamplingConfig,
+    SamplingParams,
     SessionSpec,
     Verdict,
     VerdictStatus,
@@ -112,7 +112,7 @@ def eagle(llama, head):
     return load_eagle(head, llama)
 
 
-def with_feature(proposer: NgramFirstProposer, tokens: list[int], sampling: SamplingConfig = SamplingConfig()):
+def with_feature(proposer: NgramFirstProposer, tokens: list[int], sampling: SamplingParams = SamplingParams()):
     """A session whose head has the feature for the last of ``tokens`` (as after a verdict)."""
     session = proposer.new_session(tokens[:-1], sampling)
     hidden = torch.randn(1, proposer.eagle.drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -148,7 +148,7 @@ class ScriptedSession(ScriptedHead):
 
 def test_propose_puts_a_weak_lookup_copy_in_the_tree_and_sends_a_strong_one_as_a_chain() -> None:
     tokens = [7, 10, 99, 7]  # 7 recurs after one token: lookup copies (10, 99, 7, 10, ...)
-    lookup = NgramProposer().new_session(tokens, SamplingConfig())
+    lookup = NgramProposer().new_session(tokens, SamplingParams())
     session = NgramFirstSession(lookup, ScriptedSession(TABLE), tree_nodes=5)
     tree = session.propose(7)
     # The head's 10 (0.7) first, lookup's 10 (0.6) merged into it, then lookup's copy under it
@@ -159,7 +159,7 @@ def test_propose_puts_a_weak_lookup_copy_in_the_tree_and_sends_a_strong_one_as_a
     assert session.trees == 1 and session.lookups == session.head_drafts == 0
     # After a match of two tokens lookup's long copy goes as a chain of the block's K, as without trees.
     strong = NgramFirstSession(
-        NgramProposer().new_session([5, 7, 10, 99, 5, 7], SamplingConfig()), ScriptedSession(TABLE), tree_nodes=5
+        NgramProposer().new_session([5, 7, 10, 99, 5, 7], SamplingParams()), ScriptedSession(TABLE), tree_nodes=5
     )
     chain = strong.propose(7)
     assert chain.parents == () and chain.token_ids[:3] == (10, 99, 5) and strong.lookups == 1 and strong.trees == 0
@@ -176,12 +176,12 @@ def test_an_unsure_head_leaves_the_tree_to_lookups_copy(eagle) -> None:
 
 def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> None:
     tree_proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5)
-    fresh = tree_proposer.new_session([7, 8, 9, 7], SamplingConfig())  # no verdict yet: no feature
+    fresh = tree_proposer.new_session([7, 8, 9, 7], SamplingParams())  # no verdict yet: no feature
     assert fresh.propose(3) == Proposal((8, 9, 7), sources=("lookup:1",) * 3)  # lookup's chain, as today
     assert fresh.trees == 0
-    assert tree_proposer.new_session([5, 6, 7, 8, 9], SamplingConfig()).propose(3) == Proposal()
+    assert tree_proposer.new_session([5, 6, 7, 8, 9], SamplingParams()).propose(3) == Proposal()
 
-    sampling = SamplingConfig(temperature=1.0, seed=0)
+    sampling = SamplingParams(temperature=1.0, seed=0)
     sampled = with_feature(tree_proposer, [5, 6, 7, 8, 9], sampling).propose(3)
     chain = with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9], sampling).propose(3)
     assert sampled.parents == () and sampled.probs and sampled.token_ids == chain.token_ids
@@ -229,9 +229,9 @@ class OneVerdict:
 
     def __init__(self, accepted: int, committed: tuple[int, ...]) -> None:
         self.accepted, self.committed = accepted, committed
-        self.blocks: list[DraftBlock] = []
+        self.blocks: list[ProposedBlock] = []
 
-    async def verify(self, block: DraftBlock) -> Verdict:
+    async def verify(self, block: ProposedBlock) -> Verdict:
         self.blocks.append(block)
         return Verdict(
             block_id=block.block_id,
@@ -261,7 +261,7 @@ async def run_inline(fn, *args):
 
 
 async def one_round(verifier: OneVerdict, lengths: CutToOne | None = None):
-    spec = SessionSpec("s", BASE, prompt_len=2, sampling=SamplingConfig(), num_speculative_tokens=4)
+    spec = SessionSpec("s", BASE, prompt_len=2, sampling=SamplingParams(), num_speculative_tokens=4)
     loop = SpeculationLoop(spec, FixedDraft(), verifier, run_inline, lengths=lengths)
     return [result async for result in loop.rounds()], loop
 
@@ -348,7 +348,7 @@ async def test_random_trees_through_the_loop_and_the_reference_target_decode_its
     reference = ReferenceTarget(llama.model, (eos,))
     first, _ = reference.prefill("s", prompt, max_new_tokens=n)
     committed = (*prompt, first)
-    spec = SessionSpec("s", committed, len(prompt), SamplingConfig(), num_speculative_tokens=6,
+    spec = SessionSpec("s", committed, len(prompt), SamplingParams(), num_speculative_tokens=6,
                        session_max_new_tokens=n)
     proposer = RandomTrees([*prompt, *expected], len(committed), nodes=6, seed=seed)
     verifier = InMemoryVerifier(reference)

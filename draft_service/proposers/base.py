@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from draft_service.block_length import AcceptancePrior
-from draft_service.types import Proposal, SamplingConfig
+from draft_service.types import Proposal, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -80,12 +80,12 @@ class Proposer(ABC):
         return "chains"
 
     @abstractmethod
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> ProposerSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> ProposerSession:
         """Opens drafting state for a committed sequence (cheap: heavy work happens in propose)."""
 
     def warm_up(self) -> None:
         """Runs one short session so lazy initialisation is paid before health says SERVING."""
-        session = self.new_session(WARMUP_TOKENS, SamplingConfig())
+        session = self.new_session(WARMUP_TOKENS, SamplingParams())
         try:
             proposal = session.propose(4)
             session.commit(len(WARMUP_TOKENS), (*proposal.token_ids[:1], WARMUP_TOKENS[0]))

@@ -34,7 +34,7 @@ from draft_service.block_length import AcceptancePrior, confidence_source, load_
 from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
-from draft_service.types import Proposal, SamplingConfig, SparseDist, TargetInfo
+from draft_service.types import Proposal, SamplingParams, SparseDist, TargetInfo
 from tandem.quant.native import QuantKernel
 from tandem.models.eagle import (
     ACCEPTANCE_FILE,
@@ -87,7 +87,7 @@ class EagleSession(ProposerSession):
     used while ``_feature_len`` equals the committed length, i.e. while it is current.
     """
 
-    def __init__(self, proposer: EagleProposer, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
+    def __init__(self, proposer: EagleProposer, token_ids: Sequence[int], sampling: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("a draft session needs at least one committed token")
         self._proposer = proposer
@@ -337,14 +337,14 @@ class EagleProposer(Proposer):
     def wants_hidden_states(self) -> bool:
         return True
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> EagleSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> EagleSession:
         return EagleSession(self, token_ids, sampling)
 
     def warm_up(self) -> None:
         """Drafts greedily and by sampling from a made-up feature: a fresh session's first
         proposal is empty, so the base warm-up would never run the head."""
         hidden = torch.zeros(1, self.drafter.config.hidden_size)  # [1, hidden]
-        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=0)):
+        for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
             session = self.new_session(WARMUP_TOKENS, sampling)
             try:
                 session.propose(4)

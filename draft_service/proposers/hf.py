@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from draft_service.block_length import confidence_source
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
-from draft_service.types import Proposal, SamplingConfig, SparseDist
+from draft_service.types import Proposal, SamplingParams, SparseDist
 from tandem.models import LoadedModel, tokenizer_fingerprint
 
 VOCAB_IDS_FILE = "tandem_vocab_ids.safetensors"
@@ -85,7 +85,7 @@ class HfSession(ProposerSession):
     token is not in the cache yet (feeding it yields the logits of the next position).
     """
 
-    def __init__(self, proposer: HfProposer, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
+    def __init__(self, proposer: HfProposer, token_ids: Sequence[int], sampling: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("a draft session needs at least one committed token")
         self._proposer = proposer
@@ -215,5 +215,5 @@ class HfProposer(Proposer):
             return 1 << 30
         return self._max_positions - committed_len + 1
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> HfSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> HfSession:
         return HfSession(self, token_ids, sampling)

@@ -40,7 +40,7 @@ from draft_service.block_length import AcceptancePrior
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession, HeadGuesses
 from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
-from draft_service.types import Proposal, SamplingConfig, SparseDist
+from draft_service.types import Proposal, SamplingParams, SparseDist
 
 COPY_SOURCE = "copy"  # Proposal.sources: lookup's continuation of the head's drafts
 TREE_HEAD_SOURCE = "tree:head"  # Proposal.sources of a tree's nodes (the block-length policy skips trees)
@@ -303,7 +303,7 @@ class NgramFirstProposer(Proposer):
         """The head's: it was measured with lookup drafting beside the head (lookup and copy sources too)."""
         return self.eagle.acceptance_prior
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingConfig) -> NgramFirstSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> NgramFirstSession:
         return NgramFirstSession(
             self.ngram.new_session(token_ids, sampling),
             self.eagle.new_session(token_ids, sampling),

@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from draft_service.types import SamplingConfig, SparseDist
+from draft_service.types import SamplingParams, SparseDist
 
 
 def draft_seed(seed: int) -> int:
@@ -30,7 +30,7 @@ class TopKSampler:
     set: tokens the target can never produce would only be rejected.
     """
 
-    def __init__(self, sampling: SamplingConfig, draft_top_k: int) -> None:
+    def __init__(self, sampling: SamplingParams, draft_top_k: int) -> None:
         if sampling.temperature <= 0:
             raise ValueError("TopKSampler needs a positive temperature; greedy drafts use argmax")
         self.temperature = sampling.temperature

@@ -1,0 +1,160 @@
+"""``tandem.v1`` messages to and from :mod:`tandem.rpc.types`: the conversions the services share.
+
+Each service's own edge module (``draft_service/wire.py``, ``target_service/wire.py``,
+``gateway/wire.py``) builds its RPC messages with these, so an enum's numbering, a field's presence
+and the hidden states' byte layout are written down once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tandem.rpc.types import DraftBlock, FinishReason, SamplingParams, SparseDist, Verdict, VerdictStatus
+from tandem.v1 import common_pb2, target_pb2
+
+
+class WireError(ValueError):
+    """A message that cannot be read as what it claims to be (the caller maps it to its status)."""
+
+
+_FINISH_FROM_WIRE = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: FinishReason.NONE,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+}
+_FINISH_TO_WIRE = {reason: number for number, reason in _FINISH_FROM_WIRE.items()}
+_STATUS_FROM_WIRE = {
+    target_pb2.VERDICT_STATUS_OK: VerdictStatus.OK,
+    target_pb2.VERDICT_STATUS_STALE: VerdictStatus.STALE,
+    target_pb2.VERDICT_STATUS_FINISHED: VerdictStatus.FINISHED,
+}
+_STATUS_TO_WIRE = {status: number for number, status in _STATUS_FROM_WIRE.items()}
+
+
+def finish_reason(number: int) -> FinishReason:
+    """A wire finish reason; numbers this build does not know read as not finished."""
+    return _FINISH_FROM_WIRE.get(number, FinishReason.NONE)
+
+
+def finish_reason_to_wire(reason: FinishReason) -> int:
+    return _FINISH_TO_WIRE[reason]
+
+
+def verdict_status(number: int) -> VerdictStatus | None:
+    """A wire verdict status; None for UNSPECIFIED or a number this build does not know."""
+    return _STATUS_FROM_WIRE.get(number)
+
+
+def verdict_status_to_wire(status: VerdictStatus) -> int:
+    return _STATUS_TO_WIRE[status]
+
+
+def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+    )
+
+
+def sampling_params_to_wire(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+    )
+
+
+def sparse_dists(messages: list[common_pb2.SparseDistribution]) -> tuple[SparseDist, ...]:
+    return tuple(SparseDist(tuple(q.token_ids), tuple(q.probs)) for q in messages)
+
+
+def sparse_dists_to_wire(dists: tuple[SparseDist, ...]) -> list[common_pb2.SparseDistribution]:
+    return [common_pb2.SparseDistribution(token_ids=q.token_ids, probs=q.probs) for q in dists]
+
+
+_HIDDEN_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def hidden_states(message: common_pb2.HiddenStates) -> torch.Tensor:
+    """A ``HiddenStates`` message as a float32 tensor of its shape (e.g. [positions, hidden])."""
+    dtype = _HIDDEN_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise WireError(f"hidden states have dtype {message.dtype!r}; expected one of {sorted(_HIDDEN_DTYPES)}")
+    shape = tuple(message.shape)
+    if any(d < 0 for d in shape) or len(message.data) != 2 * math.prod(shape):
+        raise WireError(f"hidden states of shape {list(shape)} come with {len(message.data)} bytes")
+    # Little-endian 16-bit words on the wire -> native order (a copy, so torch gets a writable
+    # buffer), then reinterpreted as the float type.
+    words = np.frombuffer(message.data, dtype="<u2").astype(np.uint16).view(np.int16)  # [prod(shape)]
+    return torch.from_numpy(words).view(dtype).reshape(shape).float()
+
+
+def hidden_states_to_wire(tensor: torch.Tensor | None) -> common_pb2.HiddenStates | None:
+    """``[positions, hidden_size]`` as little-endian float16 bytes (None stays None)."""
+    if tensor is None:
+        return None
+    half = tensor.detach().to(device="cpu", dtype=torch.float16).contiguous()
+    data = half.numpy().astype("<f2", copy=False).tobytes()
+    return common_pb2.HiddenStates(data=data, shape=list(half.shape), dtype="float16")
+
+
+def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:
+    """A Verify request as is (the target's validation judges it)."""
+    return DraftBlock(
+        session_id=request.session_id,
+        base_len=request.base_len,
+        draft_token_ids=tuple(request.draft_token_ids),
+        assumed_token_ids=tuple(request.assumed_token_ids),
+        draft_probs=sparse_dists(request.draft_probs),
+        block_id=request.block_id,
+        tokenizer_fingerprint=request.tokenizer_fingerprint,
+        return_hidden_states=request.return_hidden_states,
+        draft_parents=tuple(request.draft_parents),
+    )
+
+
+def draft_block_to_wire(block: DraftBlock) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        session_id=block.session_id,
+        base_len=block.base_len,
+        assumed_token_ids=block.assumed_token_ids,
+        draft_token_ids=block.draft_token_ids,
+        draft_probs=sparse_dists_to_wire(block.draft_probs),
+        block_id=block.block_id,
+        tokenizer_fingerprint=block.tokenizer_fingerprint,
+        return_hidden_states=block.return_hidden_states,
+        draft_parents=block.draft_parents,
+    )
+
+
+def verdict(response: target_pb2.VerifyResponse) -> Verdict:
+    status = verdict_status(response.status)
+    if status is None:
+        raise WireError(f"verdict for block {response.block_id} has no valid status ({response.status})")
+    return Verdict(
+        block_id=response.block_id,
+        status=status,
+        committed_len=response.committed_len,
+        num_accepted=response.num_accepted,
+        committed_token_ids=tuple(response.committed_token_ids),
+        finish_reason=finish_reason(response.finish_reason),
+        hidden_states=hidden_states(response.hidden_states) if response.HasField("hidden_states") else None,
+        verify_seconds=response.verify_seconds,
+    )
+
+
+def verdict_to_wire(verdict: Verdict) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(
+        block_id=verdict.block_id,
+        status=verdict_status_to_wire(verdict.status),
+        num_accepted=verdict.num_accepted,
+        committed_token_ids=verdict.committed_token_ids,
+        committed_len=verdict.committed_len,
+        finish_reason=finish_reason_to_wire(verdict.finish_reason),
+        hidden_states=hidden_states_to_wire(verdict.hidden_states),
+        verify_seconds=verdict.verify_seconds,
+    )

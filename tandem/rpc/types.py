@@ -1,0 +1,99 @@
+"""The values both ends of a hop mean the same thing by: one class per meaning, no protobuf.
+
+The draft sends a :class:`DraftBlock` and reads a :class:`Verdict`; the target reads the block and
+sends the verdict; the gateway and the target agree on :class:`SamplingParams` and
+:class:`FinishReason`. Each service works on these (and on its own dataclasses), and converts to
+and from ``tandem.v1`` messages only at its edge, through :mod:`tandem.rpc.codecs`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class FinishReason(enum.Enum):
+    """Why a session stopped growing (``tandem.v1.FinishReason``)."""
+
+    NONE = "none"  # not finished yet
+    STOP = "stop"  # an end-of-sequence or stop token was committed (it is included)
+    LENGTH = "length"  # the session's token budget is spent
+    CANCELLED = "cancelled"  # released or cancelled before it finished
+
+    @property
+    def finished(self) -> bool:
+        return self is not FinishReason.NONE
+
+
+class VerdictStatus(enum.Enum):
+    """What the target did with a block (``tandem.v1.VerdictStatus``)."""
+
+    OK = "ok"
+    STALE = "stale"  # the block did not extend the committed sequence; nothing changed
+    FINISHED = "finished"  # the session had already finished; nothing changed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A session's sampling parameters; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0  # 0 or 1: no nucleus truncation
+    top_k: int = 0  # 0: no top-k truncation
+    seed: int | None = None  # None: the session draws a fresh random seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A proposal distribution q at one draft position: ``probs[i]`` on ``token_ids[i]``, zero
+    elsewhere (the draft samples from a renormalised top-k)."""
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One Verify request: draft tokens that extend exactly ``committed[:base_len] + assumed_token_ids``."""
+
+    session_id: str
+    base_len: int
+    draft_token_ids: tuple[int, ...]
+    assumed_token_ids: tuple[int, ...] = ()
+    # One q per draft token; empty = one-hot q on each draft token (a deterministic drafter).
+    draft_probs: tuple[SparseDist, ...] = ()
+    block_id: int = 0
+    tokenizer_fingerprint: str = ""  # the drafter's; empty = not checked
+    # Return this block's hidden states even when the session was not prefilled asking for them.
+    return_hidden_states: bool = False
+    # A token tree: each draft's parent (an earlier draft's index, or -1 for the last committed
+    # token). Empty: a chain.
+    draft_parents: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One Verify response."""
+
+    block_id: int
+    status: VerdictStatus
+    committed_len: int = 0  # after this verdict (STALE: the target's current length)
+    # Committed draft tokens: committed_token_ids[:num_accepted] == draft_token_ids[:num_accepted],
+    # then one recovered or bonus token (fewer when the session finished).
+    num_accepted: int = 0
+    committed_token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason = FinishReason.NONE
+    # [len(committed_token_ids), hidden_size] (OK verdicts, when asked for): row i is the final
+    # hidden state at the position whose logits produced committed_token_ids[i], i.e. the last
+    # token committed before the block (row 0) and the accepted draft tokens (rows 1..). An empty
+    # block gives one row.
+    hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    verify_seconds: float = 0.0
