@@ -1,12 +1,11 @@
 """How many of a proposal's drafts to send: the length that buys the most tokens per second.
 
 A draft deep in a block is worth only the chance that it and every draft before it are accepted,
-and a verification pass does not cost the same for every width: on the 2-core EPYC a gemma-3-270m
-pass over 4 to 6 tokens took 45 ms and one over 7 or 8 took 53 to 56 (the LM head's packed product
-alone: 18 ms for 3 to 6 rows, 22 to 24 for 7 or 8), while on another host the cost rose evenly from 25 ms for one token
-to 34 for eight. A fixed K is right for one host and one kind of text at best. So the draft
-service learns both sides as it serves and cuts each proposal where the expected number of
-committed tokens per second of the round peaks:
+and a verification pass does not cost the same for every width: on one host a pass steps up once
+its rows turn the LM head's product compute-bound, on another the cost rises evenly with the rows
+(figures: docs/design-notes.md#cut-blocks). A fixed K is right for one host and one kind of text at
+best. So the draft service learns both sides as it serves and cuts each proposal where the expected
+number of committed tokens per second of the round peaks:
 
     L* = argmax over L in 0..n of  (1 + sum_{i<=L} prod_{j<=i} p_j) / (cost(L + 1) + overhead)
 
@@ -27,7 +26,8 @@ The numerator is the tokens a round commits in expectation (the accepted drafts 
 own token), so cutting never changes which tokens are committed, only how many rounds it takes:
 greedy output stays the target's, and a sampled block cut short is still verified exactly.
 Cutting is per round and myopic (it maximises this round's rate rather than the long-run one),
-which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it with fixed K.
+which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it with fixed K
+(figures: docs/design-notes.md#cut-blocks).
 """
 
 from __future__ import annotations

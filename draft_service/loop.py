@@ -176,9 +176,9 @@ class SpeculationLoop:
 
         The call's own ``max_new_tokens`` is no such budget: it ends the call after the round that
         reaches it (a gateway leg, after which the gateway may switch modes), and the session goes
-        on. Cut for it, each leg's last round drafted a token or two instead of a full block: on
-        the bench's code prompts ``speculation: "auto"`` ran 2.5-4% slower than ``"on"``, about
-        0.5% once its legs ended on whole rounds.
+        on. Cut for it, each leg's last round drafted a token or two instead of a full block, and
+        ``speculation: "auto"`` ran measurably slower than ``"on"`` (figures:
+        docs/design-notes.md#fallback-floor, "Legs").
         """
         budgets = []
         if self._spec.session_max_new_tokens > 0:

@@ -137,10 +137,9 @@ def limit_torch_threads(threads: int) -> None:
 
     The draft and the target take turns, but a process's idle OpenMP workers spin for a while
     after each parallel region. With one worker per core in both processes, the draft's spinning
-    workers steal cores from the target's verification and the target's from the draft's steps.
-    Measured on 2 cores, ngram+eagle on 12 bench prompts: rounds of 54.3 ms (verify 47.5 ms) with
-    the default, 50.8 ms (verify 44.8 ms) with one draft thread. A drafting step is a few small
-    products, for which one core is enough.
+    workers steal cores from the target's verification and the target's from the draft's steps,
+    and rounds get slower. A drafting step is a few small products, for which one core is enough
+    (figures: docs/design-notes.md#draft-threads).
     """
     if threads > 0:
         import torch

@@ -1,6 +1,8 @@
 """What every generation shares: upstream clients, policy, breaker, tuning and background tasks.
 
 One ``GenerationDeps`` is built by the gateway at start-up and handed to each ``Generation``.
+Invariant: generations never assign its fields; what they count together goes through its
+:class:`gateway.counters.SessionCounters`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from gateway.adaptive import AdaptiveConfig, StepTimer
 from gateway.breaker import DraftBreaker
+from gateway.counters import SessionCounters
 from gateway.pacer import PacerConfig
 from gateway.policy import SpeculationPolicy
 from gateway.request import Smoothing
@@ -77,29 +80,17 @@ class GenerationDeps:
     breaker: DraftBreaker = field(default_factory=DraftBreaker)
     tuning: SessionTuning = field(default_factory=SessionTuning)
     step_timer: StepTimer = field(default_factory=StepTimer)
-    # Sessions in progress (the saturation rule of the policy counts them).
-    active_sessions: int = 0
-    # When any Speculate stream last delivered a message and a Prefill last finished
-    # (time.monotonic), and the Prefill calls in flight: what tells a draft waiting behind a busy
-    # target from a stalled one.
-    last_draft_message: float = -float("inf")
-    last_prefill_done: float = -float("inf")
-    prefills_in_flight: int = 0
+    # Sessions in progress, Prefill calls in flight, the last draft message: what every
+    # generation reports (built from ``metrics``, whose session gauges it keeps).
+    counters: SessionCounters = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counters = SessionCounters(self.metrics)
 
     def can_speculate(self) -> bool:
         return self.draft_ready() and self.breaker.allows_speculation
 
     def draft_silence_explained(self, now: float) -> bool:
-        """Whether a silent Speculate stream is waiting behind other work at the target rather
-        than on a stalled draft.
-
-        The target runs one pass at a time, so one session's round waits behind a pass of every
-        other session and behind any prefill: with 150 sessions at 40 ms a pass, 6 s of silence
-        from a healthy draft. Calling that a stall would open the breaker, blame the draft in the
-        logs and move each session to a fresh target session (one more prefill each) just when the
-        target is busiest. So the silence is explained while the draft keeps delivering rounds to
-        other sessions, or while prefills run (and for a deadline after the last one: the rounds
-        queued behind them come next); a stalled draft delivers nothing to anyone.
-        """
-        last_progress = max(self.last_draft_message, self.last_prefill_done)
-        return self.prefills_in_flight > 0 or now - last_progress < self.tuning.draft_stall_timeout_s
+        """Whether a silent Speculate stream is waiting behind a busy target rather than on a
+        stalled draft (:meth:`SessionCounters.draft_silence_explained`, at the stall deadline)."""
+        return self.counters.draft_silence_explained(now, self.tuning.draft_stall_timeout_s)

@@ -1,23 +1,22 @@
 """One *leg* of a session: a single upstream stream (``Speculate`` or ``Generate``) read to its end.
 
 A generation is a sequence of legs (see :mod:`gateway.adaptive` for why switching happens only
-between them). This module holds what a leg needs and nothing about policy: the batch type the
-generation consumes, the gateway-side timing of messages with an optional stall deadline, and the
-classification of a draft's failure into what the breaker and the fallback need to know.
+between them). This module holds what a leg needs and nothing about policy: the gateway-side
+timing of messages with an optional stall deadline, and the classification of a draft's failure
+into what the breaker and the fallback need to know. (The batch type a leg yields is
+:class:`gateway.types.Batch`; :mod:`gateway.leg_reader` reads the legs.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from gateway.breaker import DraftFailure
 from gateway.errors import GatewayError, InvalidRequest, UpstreamUnavailable
-from gateway.policy import Mode
 from gateway.upstream import UpstreamStream
 
 M = TypeVar("M")
@@ -25,19 +24,6 @@ M = TypeVar("M")
 # A draft that refuses the session itself (bad request, other tokenizer) is not an outage:
 # decoding on without it would hide a configuration error, so such failures are not recovered.
 _REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Tokens one upstream message committed, with the round that produced them (if speculative)."""
-
-    token_ids: Sequence[int]
-    finish_reason: int
-    committed_len: int
-    # The mode whose upstream sent it; None for the first token, which Prefill returns.
-    mode: Mode | None = None
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
 
 
 class DraftLegFailed(Exception):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tandem.rpc.types import SamplingParams
+
 
 class Speculation(str, enum.Enum):
     """The ``speculation`` extension field: how the client wants the request decoded."""
@@ -27,22 +29,12 @@ class Smoothing(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters as the target understands them (temperature 0 = greedy)."""
-
-    temperature: float
-    top_p: float
-    top_k: int  # 0 = no top-k truncation
-    seed: int | None
-
-
-@dataclass(frozen=True)
 class GenerationRequest:
     """Everything one request fixes, already checked against the served model's limits."""
 
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
-    sampling: Sampling
+    sampling: SamplingParams
     stop: tuple[str, ...]
     # Token ids that end generation besides the model's EOS (e.g. a chat end-of-turn token).
     stop_token_ids: tuple[int, ...]

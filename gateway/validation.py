@@ -14,7 +14,7 @@ from typing import Union
 
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.request import GenerationRequest, Sampling, Smoothing, Speculation
+from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
 
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
@@ -87,7 +87,7 @@ class RequestValidator:
         if model and model != self._model.name:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self._model.name!r}")
 
-    def _sampling(self, fields: RequestFields) -> Sampling:
+    def _sampling(self, fields: RequestFields) -> SamplingParams:
         temperature = 1.0 if fields.temperature is None else fields.temperature
         if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
             raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
@@ -100,7 +100,7 @@ class RequestValidator:
         if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:
             raise InvalidRequest(f"seed must be between 0 and 2**64-1, got {fields.seed}", param="seed")
         # top_k beyond the vocabulary truncates nothing; clamping keeps it within int32 on the wire.
-        return Sampling(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed)
+        return SamplingParams(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed)
 
     @staticmethod
     def _speculation(fields: RequestFields) -> tuple[Speculation, int | None]:

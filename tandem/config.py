@@ -13,16 +13,12 @@ from tandem.models import DEFAULT_TARGET
 
 # "auto": prompt lookup first and the shipped eagle head where lookup finds nothing (ngram+eagle),
 # for a target tandem ships a head for; prompt lookup alone (ngram) for any other target
-# (tandem.models.resolve_draft_spec). On the default pair, 24 bench prompts, one run each: 1.74x of
-# autoregressive decoding and 1.07x of transformers' assisted generation, against 1.63x and 0.97x
-# for ngram alone (1.81x and 1.05x since 3- and 4-token passes got cheaper, and the peer with them;
-# 1.98x and 1.10x with oneDNN-packed weights and K=7).
+# (tandem.models.resolve_draft_spec). Figures: docs/design-notes.md#default-draft.
 DEFAULT_DRAFT = "auto"
-# On a 2-core CPU a gemma-3-270m pass reads the weights once whatever the rows (tandem.cpu.linear):
-# 25, 28 and 34 ms for 1, 4 and 8 tokens. So long blocks are cheap, and prompt lookup's long
-# matches pay: with ngram+eagle (eagle_k 3, min confidence 0.5) K=7 gave 1.96x of autoregressive
-# on the bench prompts against 1.90x at K=5 and 1.80x at K=3 with one head draft (the earlier
-# default), two interleaved runs each in one session; code 1.89x against 1.80x and 1.69x.
+# The most drafts a block carries. A CPU pass reads the weights once whatever the rows
+# (tandem.cpu.linear), so long blocks are cheap and prompt lookup's long matches pay; the eagle
+# head drafts at most eagle_k of them and the draft service cuts blocks where they stop paying.
+# Figures: docs/design-notes.md#k.
 DEFAULT_K = 7
 DRAFT_HELP = (
     "'auto' (ngram+eagle where tandem ships an eagle head for the target, else ngram), a draft SPEC, 'eagle' "

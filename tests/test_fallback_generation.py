@@ -16,7 +16,7 @@ from gateway.events import Finished, TextDelta
 from gateway.deps import GenerationDeps, SessionTuning
 from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
-from gateway.request import GenerationRequest, Sampling, Smoothing, Speculation
+from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
 from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
     SCRIPT_TEXT,
@@ -57,7 +57,7 @@ def make_request(tokenizer, speculation=Speculation.AUTO, stop=(), smoothing=Non
     return GenerationRequest(
         prompt_token_ids=tuple(tokenizer("Once upon", add_special_tokens=False)["input_ids"]),
         max_tokens=max_tokens,
-        sampling=Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None),
+        sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None),
         stop=tuple(stop),
         stop_token_ids=(),
         ignore_eos=False,
@@ -188,7 +188,7 @@ async def test_a_stalled_draft_is_abandoned_after_the_deadline(tokenizer, model)
 async def _keep_draft_busy(deps):
     """Stands for other sessions whose rounds the draft keeps delivering."""
     while True:
-        deps.last_draft_message = time.monotonic()
+        deps.counters.draft_answered(time.monotonic())
         await asyncio.sleep(0.01)
 
 
@@ -199,7 +199,8 @@ async def test_a_draft_waiting_behind_a_busy_target_is_not_a_stalled_draft(token
     draft = ScriptedDraft(model, accepted=K, pause=(4, 0.2))
     deps = make_deps(tokenizer, model, draft, stall_s=0.05)
     helper = asyncio.ensure_future(_keep_draft_busy(deps)) if busy == "other sessions' rounds" else None
-    deps.prefills_in_flight = 1 if helper is None else 0
+    if helper is None:
+        deps.counters.prefill_started()
     try:
         text, tokens, finished, _ = await run(deps, make_request(tokenizer))
     finally:
@@ -226,11 +227,11 @@ async def test_a_calls_first_round_may_take_up_to_the_cap(tokenizer, model, paus
 def test_silence_is_explained_by_recent_rounds_or_prefills_only(tokenizer, model) -> None:
     deps = make_deps(tokenizer, model, ScriptedDraft(model), stall_s=5.0)
     assert not deps.draft_silence_explained(100.0)
-    deps.last_draft_message = 96.0
+    deps.counters.draft_answered(96.0)
     assert deps.draft_silence_explained(100.0) and not deps.draft_silence_explained(101.0)
-    deps.prefills_in_flight = 1
+    deps.counters.prefill_started()
     assert deps.draft_silence_explained(1000.0)
-    deps.prefills_in_flight, deps.last_prefill_done = 0, 998.0  # the rounds queued behind it come next
+    deps.counters.prefill_finished(998.0)  # the rounds queued behind it come next
     assert deps.draft_silence_explained(1000.0) and not deps.draft_silence_explained(1003.0)
 
 

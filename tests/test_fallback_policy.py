@@ -21,13 +21,13 @@ from gateway.policy import (
     PolicyConfig,
     SpeculationPolicy,
 )
-from gateway.request import GenerationRequest, Sampling, Speculation
+from gateway.request import GenerationRequest, SamplingParams, Speculation
 
 SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
 
 
 def request(speculation=Speculation.AUTO, temperature=0.0) -> GenerationRequest:
-    return GenerationRequest((1, 2), 100, Sampling(temperature, 1.0, 0, None), (), (), False, speculation, None)
+    return GenerationRequest((1, 2), 100, SamplingParams(temperature, 1.0, 0, None), (), (), False, speculation, None)
 
 
 # ---- up-front policies -------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import pytest
 from gateway.adaptive import AdaptiveConfig, Round, SessionController, StepTimer
 from gateway.policy import PRIOR_SLOWER, Decision, Mode, PolicyConfig, SpeculationPolicy
 from gateway.prior import PriorConfig, TemperaturePrior, band
-from gateway.request import GenerationRequest, Sampling, Speculation
+from gateway.request import GenerationRequest, SamplingParams, Speculation
 
 SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
 
 
 def request(temperature: float, speculation=Speculation.AUTO) -> GenerationRequest:
-    return GenerationRequest((1, 2), 100, Sampling(temperature, 1.0, 0, None), (), (), False, speculation, None)
+    return GenerationRequest((1, 2), 100, SamplingParams(temperature, 1.0, 0, None), (), (), False, speculation, None)
 
 
 @pytest.mark.parametrize(("temperature", "name"), [(0.0, "0"), (0.2, "0-0.35"), (0.7, "0.35-0.75"),

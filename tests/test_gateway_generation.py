@@ -6,10 +6,11 @@ import pytest
 
 from gateway.errors import UpstreamFailure, UpstreamUnavailable
 from gateway.events import Finished, TextDelta
+from gateway.counters import SessionCounters
 from gateway.deps import GenerationDeps
 from gateway.generation import Generation
-from gateway.policy import SpeculationPolicy
-from gateway.request import GenerationRequest, Sampling, Speculation
+from gateway.policy import Mode, SpeculationPolicy
+from gateway.request import GenerationRequest, SamplingParams, Speculation
 from gateway.served_model import ServedModel
 from tandem.telemetry.metrics import make_metrics
 from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
@@ -45,7 +46,7 @@ def make_request(tokenizer, speculation=Speculation.ON, max_tokens=100, stop=(),
     return GenerationRequest(
         prompt_token_ids=tuple(tokenizer("Once upon", add_special_tokens=False)["input_ids"]),
         max_tokens=max_tokens,
-        sampling=Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None),
+        sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None),
         stop=tuple(stop),
         stop_token_ids=(),
         ignore_eos=ignore_eos,
@@ -239,3 +240,20 @@ async def test_unreachable_target_is_not_asked_to_release(tokenizer, model):
         async with generation:
             await generation.start()
     assert model.released == [] and idle(deps, model)
+
+
+def test_session_counters_move_the_count_and_the_gauge_together():
+    metrics = make_metrics("gateway")
+    counters = SessionCounters(metrics)
+
+    def gauge(mode):
+        return metrics.registry.get_sample_value("tandem_sessions_active", {"mode": mode.value})
+
+    counters.started(Mode.SPECULATIVE)
+    counters.started(Mode.AUTOREGRESSIVE)
+    counters.switched(Mode.SPECULATIVE, Mode.AUTOREGRESSIVE)
+    counters.fell_back("low_acceptance")
+    assert counters.active_sessions == 2 and (gauge(Mode.SPECULATIVE), gauge(Mode.AUTOREGRESSIVE)) == (0, 2)
+    assert metrics.registry.get_sample_value("tandem_session_fallbacks_total", {"reason": "low_acceptance"}) == 1
+    counters.ended(Mode.AUTOREGRESSIVE)
+    assert counters.active_sessions == 1 and gauge(Mode.AUTOREGRESSIVE) == 1

@@ -5,9 +5,8 @@ output repeats its context (JSON keys, code identifiers, quoted text) but has no
 elsewhere, and then the round is a plain decode step. The eagle head drafts anywhere, at a few
 milliseconds a step and with shorter accepted runs. So each round asks lookup first and falls
 back to the head when lookup has no match, or only a weak one the head confidently disagrees with
-(``_head_overrules``). It is the default draft for a target tandem
-ships a head for: on the 24 bench prompts (``tandem bench``, 2-core CPU, one run each) 1.74x of
-autoregressive decoding against 1.63x for lookup alone, ahead on every domain but json (a tie).
+(``_head_overrules``). It is the default draft for a target tandem ships a head for, faster than
+lookup alone (figures: docs/design-notes.md#default-draft).
 
 Both sub-sessions see every commit, so the head always has the current feature: every block asks
 for hidden states, whoever drafted it. Which drafter runs is decided from the committed tokens
@@ -16,10 +15,9 @@ sparse q when sampling), so rejection sampling stays exact.
 
 The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 3), fewer than lookup's
 K (default 7), and stops early where it doubts its own draft (``--eagle-min-confidence``, default
-0.5). Its deeper drafts are accepted less often (0.74, 0.52, 0.38 by depth on held-out text for
-the shipped head). While a 4-token verification cost 39 ms against 36 ms for one on a CPU, one
-head draft was best; now that passes over up to 8 tokens cost little more than one
-(``tandem.cpu.linear``), three are (measured in ``tandem.config`` beside ``DEFAULT_K``).
+0.5). Its deeper drafts are accepted less often, so past a few of them a draft no longer pays for
+its step, even though passes over up to 8 tokens cost little more than one (``tandem.cpu.linear``;
+figures: docs/design-notes.md#eagle-k).
 
 Greedy sessions draft a token tree instead where lookup has no strong match (``TokenTree``,
 ``--draft-tree-nodes N``, default 5; 0 = chains): the head's top guesses at each position and
@@ -78,10 +76,9 @@ class TokenTree:
     target refuses duplicates): a candidate equal to a node already there merges with it, so a
     lookup draft the head also guessed costs no node, and a head guess equal to a lookup node
     expands that node. Where prompt lookup matches strongly (two tokens or more) the session sends
-    lookup's chain instead: a long copy beats any five nodes. In ``benchmarks/draft_replay.py``
-    (bench prompts, K=7, cut on, top-2, five nodes) trees committed 2.70 tokens a round against
-    2.53 for chains (code 2.61 against 2.41, prose 1.74 against 1.61, json 4.20 both) for 0.5 ms
-    more drafting a round; seven nodes gained little more and cost a wider pass.
+    lookup's chain instead: a long copy beats any five nodes. Trees commit more tokens a round than
+    chains for a little more drafting (``benchmarks/draft_replay.py``; figures:
+    docs/design-notes.md#tree-nodes).
     """
 
     def __init__(self, head: EagleSession, top_k: int, budget: int) -> None:
@@ -133,7 +130,8 @@ class TokenTree:
         """Whether ``candidate`` may join before the guesses of ``pending`` (a head guess that joined,
         not yet expanded) are known: when it is nearly as probable, so that one step expands both
         (or, for lookup's drafts, none is needed). Stricter best-first order (expanding each node
-        before the next joins) gained 1% in tokens a round in replay and cost a head step more."""
+        before the next joins) gained little in replay and cost a head step more
+        (docs/design-notes.md#tree-nodes)."""
         return candidate.neg_probability <= BATCH_SHARE * pending.neg_probability
 
     def _join(self, candidate: _Candidate) -> int:
@@ -210,8 +208,8 @@ class NgramFirstSession(ProposerSession):
         the head's last guess is not the only evidence), the rest of the block costs nothing to
         draft: the head names the next JSON key, lookup copies the line it starts. Lookup's tokens
         are deterministic given the block before them, so their q is one-hot and sampled blocks
-        stay exact. In ``benchmarks/draft_replay.py`` (K=7): json 3.44 -> 3.55x (4.20 -> 4.42
-        tokens a round), code 2.39 -> 2.44 tokens a round at the same speed (wider passes).
+        stay exact. It commits more tokens a round on json and code (figures:
+        docs/design-notes.md#lookup-continues-head-blocks).
         """
         room = max_tokens - len(proposal.token_ids)
         if room <= 0:
@@ -230,14 +228,12 @@ class NgramFirstSession(ProposerSession):
     def _head_overrules(self, lookup_first: int, match_len: int) -> bool:
         """Whether a lookup block copied after a one-token match gives way to the head.
 
-        One recurring token is weak evidence: on the code bench prompts such blocks had their
-        first draft rejected half the time (0.14 after a 4-token match), and each costs a pass over
-        K+1 rows. When the head's own next token differs and the head gives it at least
-        ``overrule_confidence``, its block is the better bet, and it starts from the step taken to
-        judge (a step wasted only where lookup's block stands). At 0.3 (K=7, eagle_k 3): code 2.03 -> 2.08x
-        in ``benchmarks/draft_replay.py`` (2.34 -> 2.39 tokens a round), and a mean accepted length
-        of 2.44 against 2.38 live (``tandem bench``, two runs each); 0.5 and 0.7 gained less, and
-        overruling matches of two tokens lost on math.
+        One recurring token is weak evidence: such blocks have their first draft rejected far more
+        often than blocks after longer matches, and each costs a pass over K+1 rows. When the
+        head's own next token differs and the head gives it at least ``overrule_confidence``, its
+        block is the better bet, and it starts from the step taken to judge (a step wasted only
+        where lookup's block stands). Only one-token matches are overruled (figures for the
+        threshold and the match length: docs/design-notes.md#head-overrules-weak-lookup-matches).
         """
         if match_len > 1 or self._overrule_confidence <= 0:
             return False

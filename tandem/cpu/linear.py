@@ -2,37 +2,31 @@
 
 Decoding multiplies 1 to k+1 rows by every weight matrix, so a step is bound by reading the
 weights once (gemma-3-270m in float32: 400 MB of layers and a 671 MB [262144, 640] LM head).
-``F.linear`` goes to MKL, whose float32 GEMM on the AMD CPUs we run on takes a slow path: for the
-gemma LM head 42 ms for one row, 74-91 ms for two to eight, against the 9 ms that reading 671 MB
-can take. oneDNN (``torch.ops.mkldnn``, the library inductor's CPU freezing pass uses) runs the
-same product from a copy of the weight reordered once into its blocked layout: 8.9 ms for one
-row, 10.4 for four, 13.1 for eight, and 2-2.5x faster than ``F.linear`` for the layers' weights at
-every row count up to a 512-token prefill (measured on the 2-core AVX-512 EPYC, caches flushed).
-A whole gemma-3-270m forward pass after 100 tokens falls from 36 / 40 / 71 ms (1 / 4 / 8 tokens,
-through the weights-stationary path below) to 25 / 28 / 34 ms. So wide verification passes
-become cheap: eight tokens cost 1.4 passes of one instead of two.
+``F.linear`` goes to MKL, whose float32 GEMM takes a slow path on the AMD CPUs tandem is measured
+on, far below memory bandwidth for a few rows. oneDNN (``torch.ops.mkldnn``, the library
+inductor's CPU freezing pass uses) runs the same product from a copy of the weight reordered once
+into its blocked layout, near bandwidth for one to eight rows and faster than ``F.linear`` up to a
+prefill's row counts. So wide verification passes cost little more than a one-token step.
 
 ``install_cpu_linears`` gives every float32 CPU ``nn.Linear`` such a packed copy (the weight's
-size once more: 1.07 GB for gemma-3-270m, whose tied embedding must keep its plain layout for
-lookups) and routes its inference calls through it; a weight changed later is packed again at its
-next call. It is the same arithmetic up to float summation order (differences ~1e-4 on logits of
-~30, like those between ``F.linear`` over one row and over six), and the engine computes every
-logit of a session, autoregressive or verifying, through this one path.
+size once more, beside a tied embedding that must keep its plain layout for lookups) and routes
+its inference calls through it; a weight changed later is packed again at its next call.
+Invariant: the same arithmetic up to float summation order (differences ~1e-4 on logits of ~30,
+like those between ``F.linear`` over one row and over six), and the engine computes every logit of
+a session, autoregressive or verifying, through this one path.
 
 Where the packed product is missing (a torch built without oneDNN) or fails its check at install,
 the weights-stationary ``few_row_linear`` below serves the few-row calls instead. ``F.linear(x, W)``
 computes ``x @ W.T``, and for a handful of rows MKL's transposed-B path runs far below memory
-bandwidth; ``(W @ x.T).T`` streams W row by row: 19 ms for one to four rows of the gemma LM head,
-36 ms for six. MKL's one- and three-column products are slower than its two- and four-column ones,
-so odd chunks get one row of padding, and rows go in chunks of four, the widest product MKL runs
-at bandwidth. Four-column products over a long inner dimension fall off that path (gemma's
-[640, 2048] down projection: 0.33 ms for four rows against 0.14 ms for two), so such weights keep a
-copy cut along the inner dimension into contiguous [out, 1024] slices, up to ``MAX_SPLIT_BYTES``
-per model, and four-column products sum the slices' products (taken at install: weights changed
-later need ``install_cpu_linears`` again). That path hands the LM head's logits back as the
-transposed view of the product ([rows, vocab] with strides (1, columns)): consumers reduce over
-the vocabulary, which reads a strided row as fast, and copying 262k x 2 or 4 floats cost 0.8 to
-1.3 ms of a pass.
+bandwidth; ``(W @ x.T).T`` streams W row by row. MKL's one- and three-column products are slower
+than its two- and four-column ones, so odd chunks get one row of padding, and rows go in chunks of
+four, the widest product MKL runs at bandwidth. Four-column products over a long inner dimension
+fall off that path, so such weights keep a copy cut along the inner dimension into contiguous
+[out, 1024] slices, up to ``MAX_SPLIT_BYTES`` per model, and four-column products sum the slices'
+products (taken at install: weights changed later need ``install_cpu_linears`` again). That path
+hands the LM head's logits back as the transposed view of the product ([rows, vocab] with strides
+(1, columns)): consumers reduce over the vocabulary, which reads a strided row as fast as a
+contiguous one, while copying it would cost a measurable share of the pass.
 
 How fast oneDNN's packed product is for one or two rows depends on the host: on some it is
 slower than for four, and then ``tandem.cpu.row_plans`` pads such calls or sends them to
@@ -40,8 +34,10 @@ slower than for four, and then ``tandem.cpu.row_plans`` pads such calls or sends
 
 Only CPU weights in inference are changed: CUDA has its own GEMMs, and training keeps autograd's
 usual path. The model loader packs float32 layers; the eagle drafter packs its bfloat16 head the
-same way (``dtype``), which halves a draft step there (0.34 against 0.68 ms for 8192 LM-head rows
-on one thread); bfloat16 layers without a packed copy keep their own kernels.
+same way (``dtype``), which halves a draft step there; bfloat16 layers without a packed copy keep
+their own kernels.
+
+Figures (pass costs by rows, each constant below): docs/design-notes.md#packed-linears.
 """
 
 from __future__ import annotations
@@ -54,9 +50,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PACK_ROWS_HINT = 4  # the row count oneDNN lays a packed weight out for (1 made 4-8 rows 2x slower; 4 and 16 alike)
-CHUNK_ROWS = 4  # the widest product MKL runs at memory bandwidth (measured: 5 to 8 cost 2 passes)
-MAX_ROWS = 16  # beyond this F.linear is as fast as the weights-stationary product (crossover: 12 to 24 rows)
+PACK_ROWS_HINT = 4  # the row count oneDNN lays a packed weight out for (1 makes 4-8 rows slower)
+CHUNK_ROWS = 4  # the widest product MKL runs at memory bandwidth
+MAX_ROWS = 16  # beyond this F.linear is as fast as the weights-stationary product
 K_SLICE = 1024  # inner-dimension slice of the split copies (four columns x 1024 floats: 16 KB)
 MAX_SPLIT_BYTES = 256 * 2**20  # the most memory the split copies of one model may take
 # Row plans (``tandem.cpu.row_plans``): how a packed layer serves a call of a given row count when

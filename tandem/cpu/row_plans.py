@@ -1,13 +1,11 @@
 """Which product serves a packed model's one- and two-row linear calls, timed once on this host.
 
 A decode step multiplies one row by every weight and a verification of one draft token two rows;
-``tandem.cpu.linear`` packs the weights for oneDNN laid out for four rows. On the host its
-figures come from, that packed product is the fastest at every row count. On another 2-core EPYC
-of the same kind (slower memory: 39 against 75 GB/s) its one- and two-row products were slower than
-its four-row one: gemma-3-270m passes of 48.6 / 52.3 / 45.9 / 44.3 ms for 1 / 2 / 3 / 4 tokens, of
-which the layers took 19.4 / 22.1 / 17.6 / 16.7 ms and the LM head 23 / 26 ms for one / two rows
-against 20 for four, where ``few_row_linear`` took 19.5. Which one wins is a property of the host,
-so it is measured, not assumed: at load, for one and two rows, this times
+``tandem.cpu.linear`` packs the weights for oneDNN laid out for four rows. On some hosts that
+packed product is the fastest at every row count; on others of the same CPU kind (slower memory)
+its one- and two-row products are slower than its four-row one, for the layers and the LM head
+alike. Which one wins is a property of the host, so it is measured, not assumed: at load, for one
+and two rows, this times
 
 * the layers as a pass reads them (every layer once, in order, so each weight streams from memory
   as it does in a forward pass), packed against ``padded_linear`` (the rows padded to four), and
@@ -16,20 +14,18 @@ so it is measured, not assumed: at load, for one and two rows, this times
 each the median of several sweeps (interleaved, after one that warms up), and gives the layers
 concerned a ``row_plan`` where another product is clearly faster (``MARGIN``). About two seconds
 for gemma-3-270m; models under ``MIN_BYTES`` of packed weights (tests' tiny models) are left alone.
-The products agree up to float summation order, as the packed one does with itself across row
-counts.
+Invariant: the products agree up to float summation order, as the packed one does with itself
+across row counts, so a plan changes speed, never tokens beyond that rounding.
 
-Medians, not minima, and a 0.95 margin: with the best of three sweeps and a 0.9 margin, the
-layers' two-row choice on the 2-core EPYC flipped between loads (padded at 0.88-0.90 of the
-packed time in three loads, 1.01 in a fourth), while in whole passes padding them saved 3.5 to
-4.4 ms of 47 to 52 in both comparisons made; a minimum rewards the one sweep the host left alone,
-a median the usual one.
+Medians, not minima, and a margin: a minimum rewards the one sweep the host left alone, a median
+the usual one; with minima and a looser margin the layers' two-row choice flipped between loads.
 
 ``tune_screen_rows`` does the same for the greedy head's bfloat16 screen
-(``tandem.cpu.screened_head``), timed right after the layers' products as in a pass: there its one-
-and two-row products took 12.0 and 14.2 ms against 10.0 for four rows (padding them made whole
-one- and two-token passes 1.5 and 3-4.5 ms faster), while timed alone after a cache flush they
-were within 1 ms of the four-row one.
+(``tandem.cpu.screened_head``), timed right after the layers' products as in a pass, where its one-
+and two-row products can be slower than four rows even when, timed alone after a cache flush, they
+are not.
+
+Figures (the hosts, the passes, the margins tried): docs/design-notes.md#row-plans.
 """
 
 from __future__ import annotations

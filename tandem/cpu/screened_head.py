@@ -2,8 +2,8 @@
 scores for the few tokens that can still win.
 
 A greedy row needs one thing from the LM head: the index of its largest logit. On a CPU the head
-is the largest read of a pass (gemma-3-270m: a [262144, 640] float32 matrix, 671 MB, 40% of a
-decode step). :class:`ScreenedArgmax` reads a bfloat16 copy instead (half the bytes; oneDNN's
+is the largest read of a pass (gemma-3-270m: a [262144, 640] float32 matrix, 671 MB).
+:class:`ScreenedArgmax` reads a bfloat16 copy instead (half the bytes; oneDNN's
 bf16 product on AVX512-BF16 also has twice the arithmetic rate, which matters for the 5-8 rows
 of a verification, where the float32 product turns compute-bound), then rescores in float64 the
 candidates the rounding could have hidden the winner among, and returns their argmax.
@@ -26,10 +26,9 @@ So the token is the argmax of the exact logits; the float32 product it replaces 
 by float rounding (~1e-5 on logits of ~30, and by summation order between its own one- and
 many-row paths), which can only matter at a tie that close. Autoregressive steps and
 verification both pick tokens here, so speculative and plain greedy decoding agree token for
-token. On the 2-core AVX-512 EPYC, over 2083 final hidden states of gemma-3-270m's bench
-continuations: the same tokens as the float32 head at every position, a median of 1 candidate
-(90th percentile 7, at most 56), and 13.3 / 12.2 / 15.3 ms for 1 / 4 / 8 rows against 25.3 /
-22.2 / 27.3 ms for the float32 product (whole greedy passes: ``benchmarks/screened_head.py``).
+token. Candidates are few (a handful per row), so the rescoring costs little beside the screen.
+Figures (candidates per row, head and pass times; ``benchmarks/screened_head.py`` re-measures
+them): docs/design-notes.md#screened-head.
 
 Rows whose screen finds no candidate (a non-finite hidden state) take the float32 product, as
 before. Sampling needs every probability, so sampled rows keep the float32 head (the engine

@@ -150,8 +150,8 @@ class EagleDrafter:
     float32's; with a quantized ``kernel`` (``tandem.quant``) the head's products and LM-head rows
     are Q8_0 blocks, a byte per weight and a scale per 32 (the rows are the target's tied
     embedding, which a Q8_0 GGUF holds in exactly that form), and the rest of the step is float32.
-    ``vocab_limit`` keeps the most frequent target choices only (the distill run measured the 8192
-    most frequent to hold 97% of held-out choices, all 16384 98%).
+    ``vocab_limit`` keeps the most frequent target choices only: nearly all of the target's choices
+    fall among them, and fewer rows make each step cheaper (figures: docs/design-notes.md#draft-rows).
     """
 
     def __init__(

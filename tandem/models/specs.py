@@ -39,7 +39,7 @@ BUILTIN_HEADS_DIR = Path(__file__).parent.parent / "data" / "eagle"
 
 def resolve_draft_spec(spec: str, target_spec: str) -> str:
     """The draft ``spec`` names for this target: ``auto`` becomes ``ngram+eagle`` where a head ships
-    for the target (measured faster than lookup alone on every bench domain but json, a tie), and
+    for the target (faster than lookup alone: docs/design-notes.md#default-draft), and
     ``ngram`` elsewhere, which needs nothing from the target; any other spec stays as it is."""
     if spec != AUTO_DRAFT:
         return spec

@@ -30,7 +30,7 @@ class EagleTrainConfig:
     step_decay: float = 0.8  # weight of step j is step_decay**(j-1): early tokens gate the later ones
     feature_loss_weight: float = 0.1
     ce_fraction: float = 0.5  # positions per step that pay for the [reduced, hidden] logits product
-    bf16: bool = True  # autocast matmuls to bfloat16 while training (CPUs with bf16 units: ~2.5x faster)
+    bf16: bool = True  # autocast matmuls to bfloat16 while training (faster on CPUs with bf16 units)
     one_step_share: float = 0.3  # curriculum: budget share trained one step ahead (cheap, learns fastest)
     ramp_share: float = 0.5  # then the unroll grows to ``unroll`` over this share
 

@@ -1,0 +1,119 @@
+"""Reads one leg of a request (a ``Speculate`` or a ``Generate`` stream) into committed batches.
+
+Each message is turned into a :class:`gateway.types.Batch` (by :mod:`gateway.wire`) and reported
+to the session controller, the step timer, the breaker and the shared counters on the way. A
+speculative leg watches for a stalled draft: a silence of ``draft_stall_timeout_s`` is a stall
+unless the target is busy (:meth:`gateway.deps.GenerationDeps.draft_silence_explained`), and never
+longer than ``draft_stall_cap_factor`` times that. An autoregressive leg right after a draft
+failure checks that the target is in step with the client and asks for a resync if not.
+
+Invariant: the reader holds at most one upstream stream, the current one, which :meth:`cancel`
+cancels (a cancelled ``Speculate`` makes the draft release its state).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway import wire
+from gateway.adaptive import Leg, Round, SessionController
+from gateway.breaker import DraftFailure
+from gateway.deps import GenerationDeps
+from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.legs import DraftLegFailed, classify_draft_error, timed
+from gateway.output import Output
+from gateway.policy import Mode
+from gateway.request import GenerationRequest
+from gateway.target_session import Resync, TargetSession
+from gateway.types import Batch
+from gateway.upstream import UpstreamStream
+
+
+class LegReader:
+    def __init__(self, request: GenerationRequest, deps: GenerationDeps, session: TargetSession,
+                 output: Output) -> None:
+        self._request = request
+        self._deps = deps
+        self._session = session
+        self._output = output
+        self._stream: UpstreamStream[Any] | None = None
+
+    def cancel(self) -> None:
+        """Cancels the current upstream stream, if any (it wakes up a reader waiting on it)."""
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def read(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
+        """The batches of ``leg``; raises :class:`DraftLegFailed` or :class:`Resync` when they stop."""
+        if leg.mode is Mode.SPECULATIVE:
+            return self._speculative(leg, controller)
+        return self._autoregressive(leg, controller)
+
+    async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
+        stream = self._stream = self._deps.draft.speculate(self._speculate_request(leg.max_new_tokens))
+        deps = self._deps
+        deadline = deps.tuning.draft_stall_timeout_s
+        cap = deadline * deps.tuning.draft_stall_cap_factor
+        answered = False  # before a call's first round the draft takes the session on (its own prefill)
+
+        def keep_waiting(waited_s: float) -> bool:
+            # That prefill grows with the prompt and the machine's load: explained up to the cap.
+            return waited_s < cap and (not answered or deps.draft_silence_explained(time.monotonic()))
+
+        try:
+            async for message, seconds in timed(stream, time.monotonic, deadline, keep_waiting):
+                answered = True
+                deps.counters.draft_answered(time.monotonic())
+                deps.breaker.record_success()
+                batch = wire.batch_from_speculate(message)
+                if batch.token_ids:
+                    controller.observe_round(
+                        Round(len(batch.token_ids), batch.num_draft_tokens, batch.num_accepted, seconds,
+                              positions=batch.num_draft_positions or None)
+                    )
+                    deps.step_timer.observe_verify(batch.verify_seconds)
+                yield batch
+        except TimeoutError:
+            stream.cancel()
+            error = UpstreamUnavailable(f"the draft service sent nothing for {deadline:g}s",
+                                        code="upstream_unavailable")
+            raise DraftLegFailed(DraftFailure.STALLED, error) from None
+        except GatewayError as error:
+            raise classify_draft_error(error) from error
+
+    async def _autoregressive(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
+        session = self._session
+        stream = self._stream = self._deps.target.generate(wire.generate_request(session.session_id,
+                                                                                 leg.max_new_tokens))
+        try:
+            async for message, seconds in timed(stream, time.monotonic):
+                batch = wire.batch_from_generate(message)
+                if session.suspect:
+                    if batch.committed_len != self._output.expected_len(len(batch.token_ids)):
+                        stream.cancel()
+                        raise Resync("the target committed tokens the failed draft never forwarded")
+                    session.suspect = False
+                if batch.token_ids:
+                    controller.observe_autoregressive(len(batch.token_ids))
+                    if seconds is not None:
+                        self._deps.step_timer.observe_step(seconds / len(batch.token_ids))
+                yield batch
+        except GatewayError as error:
+            if not session.suspect:
+                raise
+            # E.g. the failed draft's last verdict finished the session, or it released it.
+            raise Resync(f"the target session failed after the draft did: {error.message}") from error
+
+    def _speculate_request(self, max_new_tokens: int) -> Any:
+        session = self._session
+        return wire.speculate_request(
+            session_id=session.session_id,
+            token_ids=[*self._request.prompt_token_ids, *self._output.completion],
+            prompt_len=session.prompt_len,
+            params=session.params(),
+            num_speculative_tokens=self._request.num_speculative_tokens or self._deps.default_num_speculative_tokens,
+            tokenizer_fingerprint=self._deps.model.fingerprint,
+            max_new_tokens=max_new_tokens,
+        )

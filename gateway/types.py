@@ -1,0 +1,45 @@
+"""Plain values the gateway exchanges with its upstreams; protobuf appears only in ``wire.py``.
+
+The generation code (``generation``, ``target_session``, ``leg_reader``, ``output``) works with
+these and never builds or reads a ``tandem.v1`` message, so wire details (enum numbering, field
+presence) live in one place and the session logic reads as plain Python. The gRPC clients in
+``upstream.py`` still speak protobuf; ``wire.py`` converts on the way in and out.
+
+Invariant: nothing here imports ``tandem.v1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policy import Mode
+from tandem.rpc.types import FinishReason, SamplingParams  # shared with the draft and the target
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """What a target session is fixed with at its ``Prefill`` (and the draft is told in ``Speculate``)."""
+
+    sampling: SamplingParams
+    # Tokens the session may generate in total (its first token included).
+    max_new_tokens: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tokens one upstream message committed, with the round that produced them (if speculative)."""
+
+    token_ids: Sequence[int]
+    finish_reason: FinishReason
+    committed_len: int
+    # The mode whose upstream sent it; None for the first token, which Prefill returns.
+    mode: Mode | None = None
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    # Speculative rounds only: the deepest draft path of the block (0: the draft did not say),
+    # and the seconds the target spent verifying it.
+    num_draft_positions: int = 0
+    verify_seconds: float = 0.0
