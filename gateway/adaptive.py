@@ -20,10 +20,9 @@ session, in either direction.
 
 Acceptance here is accepted drafts over the drafts that could have been accepted (the draft's
 ``num_draft_positions``): a chain's length, but only the deepest root path of a token tree, of
-which one path at most is accepted. Counted per node, a five-node tree spanning three positions
-read as 40% less accepting than a chain drafting as well, and sessions whose drafts paid fell
-below the floor (in 24 bench prompts under ``auto``: one code and four prose sessions after their
-first five rounds).
+which one path at most is accepted: counted per node, a tree reads as less accepting than a chain
+drafting as well, and sessions whose drafts paid fell below the floor
+(figures: docs/design-notes.md#fallback-floor).
 
 After ``reprobe_after_tokens`` tokens in fallback it runs a short speculative probe; the session
 returns to speculation only when the probe clears the bar by the hysteresis margin, and each
@@ -70,10 +69,8 @@ class AdaptiveConfig:
     enabled: bool = True
     window_rounds: int = 8
     warmup_rounds: int = 4
-    # A floor for hopeless drafts, not the test of payoff (the time rule is): with cheap wide
-    # verification a block of 7 lookup drafts pays from about 0.05 acceptance on a CPU. At 0.1,
-    # prose sessions whose trees committed 1.3-1.7 tokens a round (which pays) fell back on an
-    # unlucky window: ``auto`` ran 8.5-11% slower than ``on`` over the bench prompts, 3-6% at 0.05.
+    # A floor for hopeless drafts, not the test of payoff (the time rule is); set low enough that
+    # sessions which pay do not fall back on an unlucky window (docs/design-notes.md#fallback-floor).
     min_acceptance: float = 0.05
     # Relative margin between the bar to leave speculation and the bar to come back.
     hysteresis: float = 0.1

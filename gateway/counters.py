@@ -78,8 +78,8 @@ class SessionCounters:
         than on a stalled draft.
 
         The target runs one pass at a time, so one session's round waits behind a pass of every
-        other session and behind any prefill: with 150 sessions at 40 ms a pass, 6 s of silence
-        from a healthy draft. Calling that a stall would open the breaker, blame the draft in the
+        other session and behind any prefill: seconds of silence from a healthy draft under load.
+        Calling that a stall would open the breaker, blame the draft in the
         logs and move each session to a fresh target session (one more prefill each) just when the
         target is busiest. So the silence is explained while the draft keeps delivering rounds to
         other sessions, or while prefills run (and for ``deadline_s`` after the last one: the

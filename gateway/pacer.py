@@ -10,15 +10,10 @@ queue after every long round and leaves a pause of a whole round before the next
 rate keeps a few tokens queued across short rounds. Each gap counts at most ``gap_clip`` median
 gaps, so one slow round (a leg boundary, a GC pause) does not stretch the cadence of the next ones.
 
-Measured by replay (the median over requests of each stream's ITL p90/p50, bound one round, four
-recordings of 24 to 48 prompts): 2.0 for the per-batch median, 1.67 to 1.80 for a 16-round rate.
-A 32-round window or pacing 10% slower than the rate gained 0.05 to 0.15 more, at the price of
-slower adaptation when a session switches legs and of jitter (1.10) on perfectly even streams, so
-neither is used. A bound of two rounds gives 1.41 to 1.52. The smoothest schedule within one
-round (least squared gaps), computed offline knowing every arrival, gets 1.50 to 1.88 on the same
-recordings: at that bound the arrivals themselves, not the estimator, keep the ratio near 1.6. So
-the default bound is two rounds; the end-to-end latency stays (the flush below), and so does the
-time to the first token, which no estimate exists for yet and which is never held.
+A token is held at most two rounds by default: within one round the arrivals themselves, not the
+estimator, keep the jitter up (replays and figures: docs/design-notes.md#stream-smoothing). The
+end-to-end latency stays (the flush below), and so does the time to the first token, which no
+estimate exists for yet and which is never held.
 
 Guarantees, whatever the estimate says:
 

@@ -12,8 +12,8 @@ Some sessions are known not to profit from speculation before their first token:
 * more than ``max_speculative_sessions`` (default 64) sessions active: the target's compute is
   better spent on decoding than on verifying rejected drafts (reason ``saturated``). The target
   batches the sessions waiting together, and a pass costs about the same for one row as for a few,
-  so under heavy load plain decoding serves more (100 concurrent 16-token requests on a 2-core CPU:
-  11.5 s autoregressive, 16.1 s speculative) while a few sessions still gain from speculation;
+  so under heavy load plain decoding serves more while a few sessions still gain from speculation
+  (docs/design-notes.md#continuous-batching);
 * the draft's circuit breaker is open (reason ``draft_unavailable``).
 
 Each rule is configurable (``None`` disables a threshold) and each fallback is recorded with its
