@@ -20,7 +20,9 @@ class SpeculationStats:
     drafter had nothing to propose commits the target's own token and is not counted).
     ``fallbacks`` counts the server's switches to autoregressive decoding (not the client's
     ``speculation: "off"``); ``fallback_reason`` says why the request last decoded that way, the
-    client's choice included (None when it never did).
+    client's choice included (None when it never did). ``empty_rounds`` counts the verified blocks
+    that carried no drafts (each committed one target token): a speculative request with no
+    rounds says so there.
     """
 
     rounds: int = 0
@@ -28,6 +30,7 @@ class SpeculationStats:
     accepted_tokens: int = 0
     fallbacks: int = 0
     fallback_reason: str | None = None
+    empty_rounds: int = 0
     # Modes that produced tokens after the first one (which always comes from Prefill).
     modes_used: set[Mode] = field(default_factory=set)
     final_mode: Mode = Mode.SPECULATIVE
@@ -52,6 +55,7 @@ class SpeculationStats:
             "mode": self.mode,
             "fallbacks": self.fallbacks,
             "fallback_reason": self.fallback_reason,
+            "empty_rounds": self.empty_rounds,
         }
 
 

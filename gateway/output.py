@@ -18,7 +18,7 @@ from gateway import wire
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import UpstreamFailure
 from gateway.events import Event, Finished, SpeculationStats, TextDelta, Usage
-from gateway.policy import SPECULATION_OFF, Decision
+from gateway.policy import SPECULATION_OFF, Decision, Mode
 from gateway.request import GenerationRequest
 from gateway.stop import StopStringMatcher
 from gateway.types import Batch, FinishReason
@@ -97,6 +97,8 @@ class Output:
             self._stats.draft_tokens += batch.num_draft_tokens
             self._stats.accepted_tokens += batch.num_accepted
             self._metrics.record_round(batch.num_draft_tokens, batch.num_accepted)
+        elif batch.mode is Mode.SPECULATIVE and batch.token_ids:
+            self._stats.empty_rounds += 1  # a block without drafts: the target's own token
 
 
 def _client_finish(reason: FinishReason) -> str:

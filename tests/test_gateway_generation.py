@@ -102,6 +102,27 @@ async def test_speculative_decoding_streams_the_whole_script(tokenizer, model):
     assert sample(deps, "tandem_requests_total", status="stop") == 1
 
 
+class DraftWithoutDrafts(InMemoryDraft):
+    """Verified blocks that carried no drafts (an eagle head before its first feature, or the
+    block-length policy sending none): each round commits the target's tokens, nothing drafted."""
+
+    async def _rounds(self, request):
+        async for response in super()._rounds(request):
+            response.num_draft_tokens = response.num_accepted = response.num_draft_positions = 0
+            yield response
+
+
+async def test_a_speculative_request_whose_blocks_carried_no_drafts_says_so(tokenizer, model):
+    deps = make_deps(tokenizer, model, draft=DraftWithoutDrafts(model))
+    text, tokens, finished, _ = await run(deps, make_request(tokenizer))
+    assert text == SCRIPT_TEXT
+    stats = finished.usage.speculative_decoding
+    assert (stats.mode, stats.rounds, stats.draft_tokens) == ("speculative", 0, 0)
+    assert stats.empty_rounds == -(-(len(tokens) - 1) // (K // 2 + 1)) > 0
+    assert stats.to_json()["empty_rounds"] == stats.empty_rounds
+    assert sample(deps, "tandem_spec_decode_num_drafts_total") == 0
+
+
 async def test_speculation_off_uses_target_generate_and_gives_the_same_output(tokenizer, model):
     spec = await run(make_deps(tokenizer, model), make_request(tokenizer, Speculation.ON))
     deps = make_deps(tokenizer, model)

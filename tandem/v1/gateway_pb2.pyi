@@ -58,7 +58,7 @@ class GatewayServiceGenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationMode, str]] = ..., num_speculative_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stream_smoothing: _Optional[_Union[StreamSmoothing, str]] = ...) -> None: ...
 
 class SpeculativeDecodingStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks", "fallback_reason")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks", "fallback_reason", "empty_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SpeculativeDecodingStats(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -73,7 +74,8 @@ class SpeculativeDecodingStats(_message.Message):
     mode: str
     fallbacks: int
     fallback_reason: str
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mode: _Optional[str] = ..., fallbacks: _Optional[int] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    empty_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mode: _Optional[str] = ..., fallbacks: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., empty_rounds: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "speculative_decoding")
