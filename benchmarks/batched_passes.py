@@ -5,7 +5,7 @@
 
 For each (sessions, rows per session): the median time of one batched forward pass over that many
 sessions, each feeding ``rows`` tokens after a prompt of ``--context`` tokens, against the same
-sessions run one pass each (``TargetEngine._forward``), and the ratio (throughput gain). Caches are
+sessions run one pass each (``ModelRunner.forward``), and the ratio (throughput gain). Caches are
 cut back after every pass, so every repeat sees the same context. In-process, the model only: no
 gRPC, no sampling. On the 2-core CPU, gemma-3-270m, context 121 (one run): 4 x 1 rows 39.8 ms against 142 ms
 (3.6x), 16 x 2 rows 206 ms against 581 ms (2.8x), 16 x 4 rows 313 ms against 618 ms (2.0x).
@@ -48,7 +48,7 @@ def measure(engine: TargetEngine, sessions: int, rows: int, repeats: int) -> tup
         restore()
         started = time.perf_counter()
         for session, ids in zip(live, tokens):
-            engine._forward(session, ids)
+            engine.runner.forward(session, ids)
         separate.append(time.perf_counter() - started)
         restore()
     return statistics.median(batched), statistics.median(separate)

@@ -1,0 +1,284 @@
+"""Each kind of call a forward pass serves, from its rows in the pass to its committed answer.
+
+A call is a prompt chunk (:class:`PrefillJob`), a decode step (:class:`DecodeStep`) or a draft
+block (``DraftBlock``: a chain, or a token tree when it names ``draft_parents``).
+:meth:`Planner.plan` checks a call and either answers it at once (FINISHED, STALE, a finished
+session's empty step) or gives it its rows (a ``runner.Step``); after the pass
+:meth:`Planner.finish` hands the rows' scores to the finish method of the call's kind, which takes
+the tokens (``target_service.acceptance``) and commits them.
+
+Invariant, for every live session: its KV cache holds exactly ``tokens[:-1]``. Tokens are
+committed only through :meth:`Planner._commit`, which cuts the cache back to the new
+``tokens[:-1]`` (or finishes the session); a call answered without a pass touches nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.reference import is_greedy
+from tandem.telemetry.metrics import Metrics
+from tandem.v1 import common_pb2
+from target_service import acceptance, kv_cache, tree
+from target_service.api import (
+    FINISHED,
+    NOT_FINISHED,
+    OK,
+    STALE,
+    DraftBlock,
+    EngineInfo,
+    GenerateResult,
+    PrefillResult,
+    Verdict,
+)
+from target_service.errors import InvalidArgument
+from target_service.model_info import check_tokenizer
+from target_service.runner import ModelRunner, RowScores, Step
+from target_service.session import Session, SessionStore
+from target_service.validation import check_block
+
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+@dataclass
+class PrefillJob:
+    """A prompt being prefilled chunk by chunk; its session joins the store with the last chunk."""
+
+    session: Session
+    chunk_tokens: int  # prompt tokens per pass (0 = the whole prompt)
+    done: int = 0  # prompt tokens already in the session's cache
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden_size] each, when asked for
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.session.tokens
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def next_chunk(self) -> list[int]:
+        """The prompt tokens the next pass feeds."""
+        return self.prompt[self.done : self.done + (self.chunk_tokens or len(self.prompt))]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One autoregressive step of a session (a ``Generate`` stream asks for them one at a time)."""
+
+    session_id: str
+    # Asked after the pass, before the token is committed: True = the caller went away.
+    cancelled: Callable[[], bool] = lambda: False
+
+
+Call = DraftBlock | DecodeStep | PrefillJob
+Answer = Verdict | GenerateResult | PrefillResult | None  # None: a prefill chunk that was not the last
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A call given rows in the pass, with what its finish method needs besides their scores."""
+
+    call: Call
+    step: Step  # a block's token_ids: [last committed, *drafts]
+    parents: list[int] | None = None  # a token tree's draft parents (None: not a tree)
+
+
+class Planner:
+    """Plans each call's rows in a pass and, after it, finishes each call into its answer."""
+
+    def __init__(self, store: SessionStore, runner: ModelRunner, info: EngineInfo, metrics: Metrics | None) -> None:
+        self.store = store
+        self.runner = runner
+        self.info = info
+        self.metrics = metrics
+        self._eos = frozenset(info.eos_token_ids)
+
+    def plan(self, call: Call) -> Answer | Planned:
+        """The call's answer when it needs no pass, else its rows; raises the call's own refusal."""
+        if isinstance(call, DraftBlock):
+            return self._plan_verify(call)
+        if isinstance(call, DecodeStep):
+            return self._plan_decode(call)
+        return self._plan_prefill_chunk(call)
+
+    def finish(self, planned: Planned, scores: RowScores, hidden: torch.Tensor | None, started: float) -> Answer:
+        """The call's answer from its rows' scores and hidden states (``started``: when the pass began)."""
+        call = planned.call
+        if isinstance(call, PrefillJob):
+            return self._finish_prefill_chunk(call, planned.step, scores, hidden)
+        if isinstance(call, DecodeStep):
+            return self._finish_decode(call, planned.step.session, scores)
+        if planned.parents is not None:
+            return self._finish_tree(call, planned, scores, hidden, started)
+        return self._finish_chain(call, planned.step, scores, hidden, started)
+
+    # ----------------------------------------------------------------------------- planning
+
+    def _plan_prefill_chunk(self, job: PrefillJob) -> Planned:
+        session, chunk = job.session, job.next_chunk
+        last = job.done + len(chunk) == len(job.prompt)
+        want_hidden = session.config.return_hidden_states
+        screened = self.runner.screens(session)
+        return Planned(job, Step(session, chunk, want_hidden, last_only=True, screened=screened, scored=last))
+
+    def _plan_verify(self, block: DraftBlock) -> Verdict | Planned:
+        """Checks a block; a FINISHED or STALE verdict needs no pass, an OK one gets its rows."""
+        check_tokenizer(self.info, block.tokenizer_fingerprint)
+        check_block(block, self.info.vocab_size)
+        session = self.store.get(block.session_id)
+        # A finished session answers FINISHED to any block, stale or not: the drafter is done.
+        if session.finished:
+            return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
+        if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
+            return Verdict(block.block_id, STALE, session.committed_len)
+        if block.draft_parents:
+            return self._plan_tree(block, session)
+        # Draft tokens past the session's budget could never be committed; verifying only the
+        # others changes no committed token's distribution (the last one is then a bonus token).
+        k = min(len(block.draft_token_ids), session.remaining - 1)
+        drafts = list(block.draft_token_ids[:k])
+        want_hidden = session.config.return_hidden_states or block.return_hidden_states
+        step = Step(session, [session.tokens[-1], *drafts], want_hidden, screened=self.runner.screens(session))
+        return Planned(block, step)
+
+    def _plan_tree(self, block: DraftBlock, session: Session) -> Planned:
+        """A token tree's pass (``target_service.tree``): greedy sessions only, through the ragged
+        path (the only one that attends under a tree mask)."""
+        if not bool(is_greedy(session.sampling.temperature)[0]):
+            raise InvalidArgument(
+                "a token tree (draft_parents) is verified greedily; this session samples (send a chain)"
+            )
+        if not self.runner.batched:
+            raise InvalidArgument(
+                f"this target's attention ({self.runner.attention}) cannot verify token trees; send a chain"
+            )
+        drafts, parents = tree.within_depth(block.draft_token_ids, block.draft_parents, session.remaining - 1)
+        want_hidden = session.config.return_hidden_states or block.return_hidden_states
+        step = Step(
+            session,
+            [session.tokens[-1], *drafts],
+            want_hidden,
+            screened=self.runner.screens(session),
+            tree=tree.forward_parents(parents),
+        )
+        return Planned(block, step, parents)
+
+    def _plan_decode(self, call: DecodeStep) -> GenerateResult | Planned:
+        """A finished session answers with no tokens; a live one gets one row."""
+        session = self.store.get(call.session_id)
+        if session.finished:
+            return GenerateResult((), session.committed_len, session.finish_reason)
+        step = Step(session, session.tokens[-1:], False, last_only=True, screened=self.runner.screens(session))
+        return Planned(call, step)
+
+    # ----------------------------------------------------------------------------- finishing
+
+    def _finish_prefill_chunk(
+        self, job: PrefillJob, step: Step, scores: RowScores, hidden: torch.Tensor | None
+    ) -> PrefillResult | None:
+        """Scores of the chunk's last row, hidden [chunk, hidden_size] when asked for. After the last
+        chunk the session joins the store (checked again: another session may have taken the id or
+        the last slot meanwhile) and takes its first token."""
+        job.done += len(step.token_ids)
+        if hidden is not None:
+            job.hidden.append(hidden)
+        if job.done < len(job.prompt):
+            return None
+        session = job.session
+        first = acceptance.sample(self.runner.verifier, session, scores, self.info.vocab_size, self.runner.device)
+        self.store.add(session)
+        committed, reason = self._cut(session, [first])
+        self._commit(session, committed, reason)
+        hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
+        return PrefillResult(first, session.committed_len, reason, hidden_states)
+
+    def _finish_chain(
+        self, block: DraftBlock, step: Step, scores: RowScores, hidden: torch.Tensor | None, started: float
+    ) -> Verdict:
+        """Scores of k+1 rows, hidden [k+1, hidden]: row i scores the token after [last committed, *drafts][i]."""
+        session, drafts = step.session, step.token_ids[1:]
+        accepted, next_token = acceptance.accept_chain(
+            self.runner.verifier, session, block, drafts, scores, self.info.vocab_size, self.runner.device
+        )
+        return self._ok_verdict(block, session, len(drafts), drafts[:accepted], next_token, hidden, started)
+
+    def _finish_tree(
+        self, block: DraftBlock, planned: Planned, scores: RowScores, hidden: torch.Tensor | None, started: float
+    ) -> Verdict:
+        """Scores of the 1 + n rows [root, *drafts], hidden [1 + n, hidden]: row i + 1 scores the
+        token after draft i's path. The accepted path's cache entries move right after the root."""
+        session, drafts = planned.step.session, planned.step.token_ids[1:]
+        path, next_token = acceptance.accept_tree(drafts, planned.parents, scores)
+        tree.keep_path(session.cache, session.committed_len - 1, path)
+        path_rows = None if hidden is None else hidden[[0, *(i + 1 for i in path)]]  # [1 + len(path), hidden]
+        return self._ok_verdict(block, session, len(drafts), [drafts[i] for i in path], next_token, path_rows, started)
+
+    def _finish_decode(self, call: DecodeStep, session: Session, scores: RowScores) -> GenerateResult:
+        """The step's token, committed unless its caller went away during the pass."""
+        token = acceptance.sample(self.runner.verifier, session, scores, self.info.vocab_size, self.runner.device)
+        if call.cancelled():
+            kv_cache.truncate(session.cache, session.committed_len - 1)
+            return GenerateResult((), session.committed_len, session.finish_reason)
+        committed, reason = self._cut(session, [token])
+        self._commit(session, committed, reason)
+        return GenerateResult(tuple(committed), session.committed_len, session.finish_reason)
+
+    # ----------------------------------------------------------------------------- committing
+
+    def _ok_verdict(
+        self,
+        block: DraftBlock,
+        session: Session,
+        drafted: int,
+        accepted: list[int],
+        next_token: int,
+        hidden: torch.Tensor | None,
+        started: float,
+    ) -> Verdict:
+        """Commits a verified block's accepted drafts and next token (cut at a stop or the budget)
+        and answers it; ``hidden`` [>= committed, hidden_size]: row j produced the j-th of them."""
+        committed, reason = self._cut(session, [*accepted, next_token])
+        self._commit(session, committed, reason)
+        elapsed = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.verify_duration.observe(elapsed)
+            self.metrics.record_round(drafted, len(accepted))
+        return Verdict(
+            block_id=block.block_id,
+            status=OK,
+            committed_len=session.committed_len,
+            num_accepted=min(len(accepted), len(committed)),
+            committed_token_ids=tuple(committed),
+            finish_reason=reason,
+            hidden_states=None if hidden is None else hidden[: len(committed)],
+            verify_seconds=elapsed,
+        )
+
+    def _cut(self, session: Session, new_tokens: list[int]) -> tuple[list[int], int]:
+        """The tokens to commit: up to and including the first stop token, within the budget."""
+        for i, token in enumerate(new_tokens):
+            if token in session.config.stop_token_ids or (token in self._eos and not session.config.ignore_eos):
+                return new_tokens[: i + 1], STOP
+            if session.generated + i + 1 >= session.config.max_new_tokens:
+                return new_tokens[: i + 1], LENGTH
+        return new_tokens, NOT_FINISHED
+
+    def _commit(self, session: Session, new_tokens: list[int], reason: int) -> None:
+        """Appends tokens and restores the invariant (cache == tokens[:-1]), or finishes."""
+        session.tokens.extend(new_tokens)
+        if reason != NOT_FINISHED:
+            self.store.finish(session, reason)
+        else:
+            kv_cache.truncate(session.cache, session.committed_len - 1)
+
+
+def _extends(committed: list[int], base_len: int, assumed: Sequence[int]) -> bool:
+    """Whether ``committed[:base_len] + assumed`` is exactly the committed sequence."""
+    return base_len + len(assumed) == len(committed) and committed[base_len:] == list(assumed)
