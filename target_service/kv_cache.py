@@ -36,9 +36,8 @@ class GrowableLayer(DynamicLayer):
     of room and hands out views of its filled part: an update writes only its new positions (the
     buffer is copied once per ``SPARE_POSITIONS`` positions), a rollback (``crop``) only moves the
     end. ``keys``/``values`` stay the views transformers and the engine read, ``[batch, kv_heads,
-    length, head_dim]``. gemma-3-270m on a 2-core CPU, 4000 positions: a step of 4 sessions in one
-    pass 76 -> 53 ms, one session alone 48.7 -> 46.8 ms. The spare room (256 positions, 9 MB for
-    gemma-3-270m) is memory past a session's KV reservation.
+    length, head_dim]`` (figures: docs/design-notes.md#sliding-window-and-the-kv-cache). The spare
+    room (``SPARE_POSITIONS``) is memory past a session's KV reservation.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -1,9 +1,9 @@
 """One forward pass over several sessions: each with its own KV cache, length and new tokens.
 
-Decoding is bound by reading the weights, not by arithmetic: on the 2-core CPU gemma-3-270m
-takes 36 ms for one token and 43 ms for one token of each of four sessions in one pass, so
-when several sessions wait for the target, running their steps together multiplies throughput
-(the continuous batching of vLLM and TGI, without their paged caches).
+Decoding is bound by reading the weights, not by arithmetic: one token of each of several sessions
+in one pass costs little more than one token alone, so when several sessions wait for the target,
+running their steps together multiplies throughput (the continuous batching of vLLM and TGI,
+without their paged caches; figures: docs/design-notes.md#continuous-batching).
 
 The sessions' tokens are laid end to end as one sequence ``[1, rows]`` ("ragged": no padding),
 each with its own positions. Everything in the model but attention works row by row, so only
