@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tandem.models import load_model
 from tandem.quant.native import available_kernels
 from target_service import kv_cache
-from target_service.api import DraftBlock
+from target_service.types import DraftBlock
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 

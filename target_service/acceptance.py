@@ -20,7 +20,7 @@ import torch
 
 from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
 from target_service import tree
-from target_service.api import DraftBlock
+from target_service.types import DraftBlock
 from target_service.runner import RowScores
 from target_service.session import Session
 from target_service.verifier import Verifier

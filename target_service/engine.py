@@ -35,7 +35,7 @@ from tandem.config import TargetSettings
 from tandem.models import LoadedModel, load_model
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
-from target_service.api import NOT_FINISHED, DraftBlock, GenerateResult, PrefillResult, Verdict
+from target_service.types import DraftBlock, FinishReason, GenerateResult, PrefillResult, Verdict
 from target_service.errors import InvalidArgument
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.runner import ModelRunner
@@ -205,7 +205,7 @@ class TargetEngine:
         while True:
             result = _unwrap(self.run_batch([DecodeStep(session_id, cancelled)])[0])
             produced += result.token_ids
-            if len(produced) >= max_tokens or result.finish_reason != NOT_FINISHED or not result.token_ids:
+            if len(produced) >= max_tokens or result.finish_reason != FinishReason.NONE or not result.token_ids:
                 return GenerateResult(tuple(produced), result.committed_len, result.finish_reason)
 
     def run_batch(self, calls: Sequence[DraftBlock | DecodeStep | PrefillJob]) -> list[Answer | Exception]:

@@ -10,7 +10,7 @@ from the target's is refused before it can reach a session.
 from __future__ import annotations
 
 from tandem.models import LoadedModel, tokenizer_fingerprint
-from target_service.api import EngineInfo
+from target_service.types import EngineInfo
 from target_service.errors import TokenizerMismatch
 
 

@@ -22,28 +22,21 @@ import torch
 
 from kernels.reference import is_greedy
 from tandem.telemetry.metrics import Metrics
-from tandem.v1 import common_pb2
 from target_service import acceptance, kv_cache, tree
-from target_service.api import (
-    FINISHED,
-    NOT_FINISHED,
-    OK,
-    STALE,
+from target_service.types import (
     DraftBlock,
     EngineInfo,
+    FinishReason,
     GenerateResult,
     PrefillResult,
     Verdict,
+    VerdictStatus,
 )
 from target_service.errors import InvalidArgument
 from target_service.model_info import check_tokenizer
 from target_service.runner import ModelRunner, RowScores, Step
 from target_service.session import Session, SessionStore
 from target_service.validation import check_block
-
-STOP = common_pb2.FINISH_REASON_STOP
-LENGTH = common_pb2.FINISH_REASON_LENGTH
-
 
 @dataclass
 class PrefillJob:
@@ -135,9 +128,11 @@ class Planner:
         session = self.store.get(block.session_id)
         # A finished session answers FINISHED to any block, stale or not: the drafter is done.
         if session.finished:
-            return Verdict(block.block_id, FINISHED, session.committed_len, finish_reason=session.finish_reason)
+            return Verdict(
+                block.block_id, VerdictStatus.FINISHED, session.committed_len, finish_reason=session.finish_reason
+            )
         if not _extends(session.tokens, block.base_len, block.assumed_token_ids):
-            return Verdict(block.block_id, STALE, session.committed_len)
+            return Verdict(block.block_id, VerdictStatus.STALE, session.committed_len)
         if block.draft_parents:
             return self._plan_tree(block, session)
         # Draft tokens past the session's budget could never be committed; verifying only the
@@ -252,7 +247,7 @@ class Planner:
             self.metrics.record_round(drafted, len(accepted))
         return Verdict(
             block_id=block.block_id,
-            status=OK,
+            status=VerdictStatus.OK,
             committed_len=session.committed_len,
             num_accepted=min(len(accepted), len(committed)),
             committed_token_ids=tuple(committed),
@@ -265,15 +260,15 @@ class Planner:
         """The tokens to commit: up to and including the first stop token, within the budget."""
         for i, token in enumerate(new_tokens):
             if token in session.config.stop_token_ids or (token in self._eos and not session.config.ignore_eos):
-                return new_tokens[: i + 1], STOP
+                return new_tokens[: i + 1], FinishReason.STOP
             if session.generated + i + 1 >= session.config.max_new_tokens:
-                return new_tokens[: i + 1], LENGTH
-        return new_tokens, NOT_FINISHED
+                return new_tokens[: i + 1], FinishReason.LENGTH
+        return new_tokens, FinishReason.NONE
 
     def _commit(self, session: Session, new_tokens: list[int], reason: int) -> None:
         """Appends tokens and restores the invariant (cache == tokens[:-1]), or finishes."""
         session.tokens.extend(new_tokens)
-        if reason != NOT_FINISHED:
+        if reason != FinishReason.NONE:
             self.store.finish(session, reason)
         else:
             kv_cache.truncate(session.cache, session.committed_len - 1)

@@ -17,8 +17,8 @@ import grpc
 
 from tandem.models.worker import ModelWorker
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service import convert
-from target_service.api import NOT_FINISHED
+from target_service import wire
+from target_service.types import FinishReason
 from target_service.batcher import PassBatcher
 from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import (
@@ -62,11 +62,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request: target_pb2.TargetServiceInfoRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
-        return convert.info_response(engine.info)
+        return wire.info_response(engine.info)
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
-        config = convert.session_config(request.params, request.return_hidden_states)
+        config = wire.session_config(request.params, request.return_hidden_states)
         job = await self._call(
             context,
             engine.begin_prefill,
@@ -78,16 +78,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # One pass per chunk, shared with the other sessions waiting (a short prompt is one chunk).
         while (result := await self._answer(context, self.batcher.run(job, len(job.next_chunk)))) is None:
             pass
-        return convert.prefill_response(result)
+        return wire.prefill_response(result)
 
     async def Verify(
         self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.VerifyResponse]:
         await self._require_engine(context)
         async for request in request_iterator:
-            block = convert.draft_block(request)
+            block = wire.draft_block(request)
             verdict = await self._answer(context, self.batcher.run(block, 1 + len(block.draft_token_ids)))
-            yield convert.verify_response(verdict)
+            yield wire.verify_response(verdict)
 
     async def Generate(
         self, request: target_pb2.TargetServiceGenerateRequest, context: grpc.aio.ServicerContext
@@ -105,8 +105,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 step = DecodeStep(request.session_id, cancelled.is_set)
                 result = await self._answer(context, self.batcher.run(step, 1))
                 sent += len(result.token_ids)
-                yield convert.generate_response(result)
-                if result.finish_reason != NOT_FINISHED or not result.token_ids:
+                yield wire.generate_response(result)
+                if result.finish_reason != FinishReason.NONE or not result.token_ids:
                     return
         except asyncio.CancelledError:
             cancelled.set()

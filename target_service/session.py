@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from target_service.api import NOT_FINISHED
+from target_service.types import FinishReason
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 
 
@@ -63,7 +63,7 @@ class Session:
     generator: torch.Generator = field(repr=False)  # seeded from config.seed; all the session's randomness
     sampling: SamplingTensors = field(repr=False)
     last_used: float = 0.0
-    finish_reason: int = NOT_FINISHED  # a common_pb2.FinishReason
+    finish_reason: FinishReason = FinishReason.NONE
 
     @property
     def committed_len(self) -> int:
@@ -80,7 +80,7 @@ class Session:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason != NOT_FINISHED
+        return self.finish_reason != FinishReason.NONE
 
 
 def make_generator(seed: int | None, device: str) -> torch.Generator:
@@ -179,7 +179,7 @@ class SessionStore:
         session.last_used = self.clock()
         return session
 
-    def finish(self, session: Session, reason: int) -> None:
+    def finish(self, session: Session, reason: FinishReason) -> None:
         """Marks a session finished and frees its KV cache."""
         if session.finished:
             return

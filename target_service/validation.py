@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from target_service.api import DraftBlock
+from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
 

@@ -32,10 +32,9 @@ from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
 from tandem.models import ModelSpecError, is_eagle_draft, load_model, tokenizer_fingerprint
 from tandem.quant.modules import QuantLinear
 from tandem.quant.native import QuantKernel, probe
+from tandem.rpc import codecs
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from target_service import convert
-from target_service.api import DraftBlock as TargetBlock
-from target_service.api import SparseQ
+from target_service import wire as target_wire
 from target_service.engine import TargetEngine
 from target_service.main import start_target
 from target_service.session import SessionConfig
@@ -124,17 +123,8 @@ class EngineVerifier:
 
     async def verify(self, block: ProposedBlock):
         self.blocks.append(block)
-        verdict = self.engine.verify(
-            TargetBlock(
-                session_id=block.session_id,
-                base_len=block.base_len,
-                draft_token_ids=block.proposal.token_ids,
-                draft_probs=tuple(SparseQ(q.token_ids, q.probs) for q in block.proposal.probs),
-                block_id=block.block_id,
-                return_hidden_states=block.return_hidden_states,
-            )
-        )
-        return wire.verdict_from_response(convert.verify_response(verdict))
+        verdict = self.engine.verify(block.block())
+        return wire.verdict_from_response(target_wire.verify_response(verdict))
 
 
 async def run_inline(fn, *args):
@@ -484,7 +474,7 @@ def test_hidden_states_on_the_draft_wire():
     hidden = torch.randn(2, 8)
     response = target_pb2.VerifyResponse(
         block_id=3, status=target_pb2.VERDICT_STATUS_OK, num_accepted=1, committed_token_ids=[5, 6],
-        committed_len=12, hidden_states=convert.hidden_states(hidden),
+        committed_len=12, hidden_states=codecs.hidden_states_to_wire(hidden),
     )
     verdict = wire.verdict_from_response(response)
     assert verdict.hidden_states.dtype == torch.float32

@@ -17,7 +17,7 @@ def test_target_engine_on_the_kernels_stays_lossless(tiny_dir) -> None:
     its place on CPU): greedy speculation with random drafts commits exactly transformers' greedy
     continuation, and a sampled session with top-k / top-p and a sparse q runs to its end."""
     pytest.importorskip("pydantic_settings", reason="the services' own dependencies are not installed here")
-    from target_service.api import OK, DraftBlock, SparseQ
+    from target_service.types import DraftBlock, SparseDist, VerdictStatus
     from target_service.engine import TargetEngine
     from target_service.session import SessionConfig
     from target_service.verifier import Verifier
@@ -38,13 +38,13 @@ def test_target_engine_on_the_kernels_stays_lossless(tiny_dir) -> None:
     g = torch.Generator().manual_seed(1)
     while not session.finished:
         drafts = torch.randint(3, 300, (int(torch.randint(0, 5, (1,), generator=g)),), generator=g).tolist()
-        assert engine.verify(DraftBlock("greedy", session.committed_len, tuple(drafts))).status == OK
+        assert engine.verify(DraftBlock("greedy", session.committed_len, tuple(drafts))).status == VerdictStatus.OK
     assert session.tokens[len(prompt):] == expected
 
     config = SessionConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=3, ignore_eos=True)
     engine.prefill("sampled", prompt, config)
     session = engine.store.get("sampled")
-    q = SparseQ((5, 6, 7), (0.5, 0.3, 0.2))  # [m = 3] ids, the draft tokens among them
+    q = SparseDist((5, 6, 7), (0.5, 0.3, 0.2))  # [m = 3] ids, the draft tokens among them
     while not session.finished:
-        assert engine.verify(DraftBlock("sampled", session.committed_len, (5, 6), draft_probs=(q, q))).status == OK
+        assert engine.verify(DraftBlock("sampled", session.committed_len, (5, 6), draft_probs=(q, q))).status == VerdictStatus.OK
     assert len(session.tokens) == len(prompt) + 8

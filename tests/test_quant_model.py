@@ -19,7 +19,7 @@ from tandem.quant import reference as quant_reference
 from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
 from tandem.quant.modules import DENSE_ROWS, QuantEmbedding, QuantLinear
 from tandem.quant.native import QuantKernel, load_kernel, runs_here
-from target_service.api import OK, DraftBlock
+from target_service.types import DraftBlock, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 from tiny import TINY_GGUF_TYPES
@@ -184,7 +184,7 @@ def test_greedy_speculation_equals_the_quantized_models_own_decoding(quantized_g
         right = reference[done : done + k]
         drafts = [t if torch.rand(1, generator=generator) < 0.7 else (t + 1) % 300 for t in right]
         verdict = engine.verify(DraftBlock("spec", session.committed_len, tuple(drafts)))
-        assert verdict.status == OK
+        assert verdict.status == VerdictStatus.OK
     assert session.tokens[len(prompt) :] == reference
 
 

@@ -23,7 +23,7 @@ from tandem.models import load_model
 from tandem.cpu.screened_head import ScreenedArgmax
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service import kv_cache, ragged
-from target_service.api import FINISHED, OK, STALE, DraftBlock, GenerateResult, SparseQ, Verdict
+from target_service.types import DraftBlock, GenerateResult, SparseDist, Verdict, VerdictStatus
 from target_service.batcher import PassBatcher
 from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import InvalidArgument, SessionNotFound
@@ -177,7 +177,7 @@ def _calls(engine: TargetEngine, round_: int, session_ids) -> list:
                 DraftBlock(session_id, session.committed_len, drafts, block_id=round_, return_hidden_states=True)
             )
         else:
-            q = tuple(SparseQ((d, 7), (0.75, 0.25)) if d != 7 else SparseQ((7,), (1.0,)) for d in drafts)
+            q = tuple(SparseDist((d, 7), (0.75, 0.25)) if d != 7 else SparseDist((7,), (1.0,)) for d in drafts)
             calls.append(DraftBlock(session_id, session.committed_len, drafts, draft_probs=q, block_id=round_))
     return calls
 
@@ -243,7 +243,7 @@ def _check_run_batch_matches_alone(target, screened: bool = False) -> None:
         answers = batched.run_batch(calls)
         for call, answer in zip(calls, answers):
             assert _same(answer, alone.run_batch([call])[0]), (rounds, call)
-            assert not isinstance(answer, Verdict) or answer.status == OK
+            assert not isinstance(answer, Verdict) or answer.status == VerdictStatus.OK
         for s in sessions:
             assert batched.store.get(s).tokens == alone.store.get(s).tokens
             if not batched.store.get(s).finished:  # the engine's invariant, for every session of the batch
@@ -337,13 +337,13 @@ def test_run_batch_keeps_each_calls_refusal_to_itself(llama) -> None:
             DraftBlock("b", 0, (5,)),  # stale: assumes an empty sequence
             DecodeStep("nobody"),
             DraftBlock("done", engine.store.get("done").committed_len, (5,)),
-            DraftBlock("c", 3, (5,), draft_probs=(SparseQ((6,), (1.0,)),)),  # bad input, before any session lookup
+            DraftBlock("c", 3, (5,), draft_probs=(SparseDist((6,), (1.0,)),)),  # bad input, before any session lookup
         ]
     )
-    assert answers[0].status == OK and len(answers[0].committed_token_ids) >= 1
-    assert answers[1].status == STALE and answers[1].committed_len == engine.store.get("b").committed_len
+    assert answers[0].status == VerdictStatus.OK and len(answers[0].committed_token_ids) >= 1
+    assert answers[1].status == VerdictStatus.STALE and answers[1].committed_len == engine.store.get("b").committed_len
     assert isinstance(answers[2], SessionNotFound)
-    assert answers[3].status == FINISHED
+    assert answers[3].status == VerdictStatus.FINISHED
     assert isinstance(answers[4], InvalidArgument)
     with pytest.raises(ValueError, match="one call per session"):
         engine.run_batch([DecodeStep("a"), DraftBlock("a", a.committed_len, (5,))])

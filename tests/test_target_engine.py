@@ -12,14 +12,13 @@ import torch
 from tandem.telemetry.metrics import make_metrics
 from tandem.models import load_model
 from tandem.cpu.screened_head import ScreenedArgmax
-from tandem.v1 import common_pb2
 from target_service import kv_cache
-from target_service.api import FINISHED, OK, STALE, DraftBlock, SparseQ
+from target_service.types import DraftBlock, FinishReason, SparseDist, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TokenizerMismatch, TooManySessions
 from target_service.session import SessionConfig
 
-STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 PROMPT_LEN = 20  # longer than the tiny Gemma's sliding window (8)
 NEW_TOKENS = 40
 
@@ -77,7 +76,7 @@ def speculate(engine: TargetEngine, session_id: str, drafter: Drafter, k: int, g
         before = session.committed_len
         drafts = drafter(list(session.tokens), k)
         verdict = engine.verify(DraftBlock(session_id, before, tuple(drafts), block_id=rounds))
-        assert verdict.status == OK and verdict.block_id == rounds
+        assert verdict.status == VerdictStatus.OK and verdict.block_id == rounds
         assert list(verdict.committed_token_ids[: verdict.num_accepted]) == drafts[: verdict.num_accepted]
         assert verdict.committed_len == before + len(verdict.committed_token_ids) == session.committed_len
         if not session.finished:
@@ -243,11 +242,11 @@ def test_stale_blocks_leave_the_session_untouched(llama) -> None:
     ]
     for block in stale_blocks:
         verdict = engine.verify(block)
-        assert (verdict.status, verdict.committed_len, verdict.committed_token_ids) == (STALE, n, ())
+        assert (verdict.status, verdict.committed_len, verdict.committed_token_ids) == (VerdictStatus.STALE, n, ())
         assert session.tokens == committed and session.cache.get_seq_length() == cache_len
     # A pipelined block naming the right assumed tokens is verified as usual.
     verdict = engine.verify(DraftBlock("s", n - 2, drafts, assumed_token_ids=tuple(committed[-2:])))
-    assert verdict.status == OK and verdict.num_accepted == 3
+    assert verdict.status == VerdictStatus.OK and verdict.num_accepted == 3
     engine.generate("s", 100)
     assert session.tokens[PROMPT_LEN:] == reference
 
@@ -266,7 +265,7 @@ def test_stop_token_cuts_the_verdict_and_finishes(llama) -> None:
     session = engine.store.get("s")
     assert session.cache is None and engine.store.live == 0  # a finished session frees its KV cache
     late = engine.verify(DraftBlock("s", verdict.committed_len, (1, 2)))
-    assert (late.status, late.finish_reason, late.committed_len) == (FINISHED, STOP, verdict.committed_len)
+    assert (late.status, late.finish_reason, late.committed_len) == (VerdictStatus.FINISHED, STOP, verdict.committed_len)
     done = engine.generate("s", 5)
     assert (done.token_ids, done.finish_reason) == ((), STOP)
     assert engine.release("s") is True and engine.release("s") is False
@@ -282,7 +281,7 @@ def test_eos_finishes_unless_ignored(tiny_dir) -> None:
     first = engine.prefill("eos", prompt, SessionConfig(max_new_tokens=10))
     assert (first.token_id, first.finish_reason, first.committed_len) == (reference[0], STOP, PROMPT_LEN + 1)
     kept = engine.prefill("ignored", prompt, SessionConfig(max_new_tokens=10, ignore_eos=True))
-    assert kept.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert kept.finish_reason == FinishReason.NONE
 
 
 def test_max_new_tokens_budget(llama) -> None:
@@ -293,7 +292,7 @@ def test_max_new_tokens_budget(llama) -> None:
     assert only.finish_reason == LENGTH and only.committed_len == PROMPT_LEN + 1
     engine.prefill("s", prompt, greedy(7))
     first = engine.verify(DraftBlock("s", PROMPT_LEN + 1, tuple(reference[1:5])))  # 4 accepted + bonus
-    assert first.committed_len == PROMPT_LEN + 6 and first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert first.committed_len == PROMPT_LEN + 6 and first.finish_reason == FinishReason.NONE
     # 1 token of budget left: the block is verified no further than that, the token is a bonus.
     last = engine.verify(DraftBlock("s", PROMPT_LEN + 6, (reference[6], 9, 9, 9)))
     assert (last.num_accepted, list(last.committed_token_ids), last.finish_reason) == (0, [reference[6]], LENGTH)
@@ -370,9 +369,9 @@ def test_hidden_states_per_block_and_empty_blocks(target, temperature) -> None:
     config = greedy(temperature=temperature, seed=3)
     engine.prefill("s", prompt, config)
     plain = engine.verify(DraftBlock("s", PROMPT_LEN + 1, ()))
-    assert plain.status == OK and len(plain.committed_token_ids) == 1 and plain.hidden_states is None
+    assert plain.status == VerdictStatus.OK and len(plain.committed_token_ids) == 1 and plain.hidden_states is None
     asked = engine.verify(DraftBlock("s", PROMPT_LEN + 2, (), block_id=1, return_hidden_states=True))
-    assert asked.status == OK and asked.num_accepted == 0 and len(asked.committed_token_ids) == 1
+    assert asked.status == VerdictStatus.OK and asked.num_accepted == 0 and len(asked.committed_token_ids) == 1
     assert asked.hidden_states.shape == (1, engine.info.hidden_size)
     drafts = (5, 6)
     block = engine.verify(DraftBlock("s", PROMPT_LEN + 3, drafts, block_id=2, return_hidden_states=True))
@@ -395,7 +394,7 @@ def test_sampling_is_reproducible_per_seed(llama) -> None:
     def run(session_id: str, seed: int) -> list[int]:
         config = SessionConfig(max_new_tokens=12, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)
         engine.prefill(session_id, prompt, config)
-        q = SparseQ((7, 9), (0.5, 0.5))
+        q = SparseDist((7, 9), (0.5, 0.5))
         engine.verify(DraftBlock(session_id, PROMPT_LEN + 1, (7, 9), draft_probs=(q, q)))
         engine.generate(session_id, 100)
         return engine.store.get(session_id).tokens[PROMPT_LEN:]
@@ -412,7 +411,7 @@ def test_refusals(llama) -> None:
     assert engine.info.model_name in message and engine.info.tokenizer_fingerprint in message and "f" * 32 in message
     engine.prefill("s", [5, 6], greedy(), tokenizer_fingerprint=engine.info.tokenizer_fingerprint)
     with pytest.raises(InvalidArgument, match="probability 0"):
-        engine.verify(DraftBlock("s", 3, (4,), draft_probs=(SparseQ((5,), (1.0,)),)))
+        engine.verify(DraftBlock("s", 3, (4,), draft_probs=(SparseDist((5,), (1.0,)),)))
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         engine.prefill("t", [5, 300], greedy())
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.models import load_model
-from target_service.api import OK, DraftBlock
+from target_service.types import DraftBlock, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
@@ -70,7 +70,7 @@ def test_greedy_verify_equals_generate_across_the_sliding_window(gemma) -> None:
     while not session.finished:
         drafts = prompt_lookup(session.tokens, 5) or [0, 0]  # a wrong block when lookup finds nothing
         verdict = engine.verify(DraftBlock("s", session.committed_len, tuple(drafts)))
-        assert verdict.status == OK
+        assert verdict.status == VerdictStatus.OK
         accepted += verdict.num_accepted
     assert session.tokens[len(prompt) :] == reference
     assert accepted > NEW_TOKENS // 2  # the repeated code is predictable: most drafts were accepted
@@ -97,7 +97,7 @@ def test_quantized_target_verification_equals_its_own_autoregressive_decoding(ge
     session = engine.store.get("s")
     while not session.finished:
         drafts = prompt_lookup(session.tokens, 5) or [0, 0]
-        assert engine.verify(DraftBlock("s", session.committed_len, tuple(drafts))).status == OK
+        assert engine.verify(DraftBlock("s", session.committed_len, tuple(drafts))).status == VerdictStatus.OK
     assert session.tokens[len(prompt) :] == reference
 
 

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kernels.reference import target_probs
 from tandem.models import LoadedModel
-from target_service.api import OK, DraftBlock, SparseQ
+from target_service.types import DraftBlock, SparseDist, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
@@ -32,7 +32,7 @@ VOCAB = 5
 PROMPT = [1, 4, 2, 3]
 TRIALS = 2500
 # The draft's q at block positions 1 and 2: sparse, and unlike the target's p.
-Q = (SparseQ((0, 1, 2), (0.5, 0.3, 0.2)), SparseQ((3, 4), (0.7, 0.3)))
+Q = (SparseDist((0, 1, 2), (0.5, 0.3, 0.2)), SparseDist((3, 4), (0.7, 0.3)))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top
         first = engine.prefill("s", PROMPT, config)
         drafts = tuple(rng.choices(q.token_ids, weights=q.probs)[0] for q in Q)
         verdict = engine.verify(DraftBlock("s", first.committed_len, drafts, draft_probs=Q))
-        assert verdict.status == OK
+        assert verdict.status == VerdictStatus.OK
         engine.generate("s", 3)
         tokens = engine.store.get("s").tokens[len(PROMPT) :]
         counts[tuple(tokens)] += 1
@@ -129,7 +129,7 @@ def test_speculative_sampling_matches_the_target_distribution(
     assert 0.5 * np.abs(naive - expected).sum() > 3 * mean_tv
 
 
-def _dense(q: SparseQ) -> np.ndarray:
+def _dense(q: SparseDist) -> np.ndarray:
     dense = np.zeros(VOCAB)
     dense[list(q.token_ids)] = q.probs
     return dense

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.v1 import common_pb2
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
+from target_service.types import FinishReason
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, make_generator
 
 
@@ -60,7 +60,7 @@ def test_live_cap_counts_only_unfinished_sessions(store, live_counts) -> None:
     store.add(_session("b"))
     with pytest.raises(TooManySessions):
         store.add(_session("c"))
-    store.finish(store.get("a"), common_pb2.FINISH_REASON_STOP)
+    store.finish(store.get("a"), FinishReason.STOP)
     store.add(_session("c"))  # a finished session keeps its record but not its slot
     assert store.get("a").finished and len(store) == 3 and store.live == 2
     assert live_counts == [1, 2, 1, 2]
@@ -105,7 +105,7 @@ def test_kv_budget_reserves_prompt_and_max_new_tokens_until_finish_release_or_ex
     assert store.reserved_kv_tokens == 12
     with pytest.raises(TooManySessions, match="KV cache budget"):
         store.add(_session("c"))
-    store.finish(store.get("a"), common_pb2.FINISH_REASON_LENGTH)  # its cache is gone
+    store.finish(store.get("a"), FinishReason.LENGTH)  # its cache is gone
     store.add(_session("c"))
     store.release("b")
     store.release("a")  # finished already: gives back nothing twice

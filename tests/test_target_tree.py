@@ -11,8 +11,8 @@ import torch
 
 from tandem.models import load_model
 from tandem.v1 import target_pb2
-from target_service import convert, tree
-from target_service.api import OK, DraftBlock, SparseQ
+from target_service import tree, wire
+from target_service.types import DraftBlock, SparseDist, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
 from test_target_engine import NEW_TOKENS, PROMPT_LEN, gemma, greedy, hf_greedy, llama, target  # noqa: F401
@@ -71,7 +71,7 @@ def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -
         done = before - PROMPT_LEN
         tokens, parents = random_tree(rng, reference[done:], rng.randint(1, 8))
         verdict = engine.verify(DraftBlock("s", before, tuple(tokens), block_id=block_id, draft_parents=tuple(parents)))
-        assert verdict.status == OK
+        assert verdict.status == VerdictStatus.OK
         accepted = list(verdict.committed_token_ids[: verdict.num_accepted])
         assert on_path(tokens, parents, accepted)
         deepest = max(deepest, verdict.num_accepted)
@@ -126,7 +126,7 @@ def test_tree_refusals(llama) -> None:
         "earlier draft": DraftBlock("g", PROMPT_LEN + 1, (1, 2), draft_parents=(-1, 1)),
         "appears twice": DraftBlock("g", PROMPT_LEN + 1, (1, 1), draft_parents=(-1, -1)),
         "no draft_probs": DraftBlock(
-            "g", PROMPT_LEN + 1, (1,), draft_probs=(SparseQ((1,), (1.0,)),), draft_parents=(-1,)
+            "g", PROMPT_LEN + 1, (1,), draft_probs=(SparseDist((1,), (1.0,)),), draft_parents=(-1,)
         ),
         "verified greedily": DraftBlock("t", PROMPT_LEN + 1, (1, 2), draft_parents=(-1, -1)),
     }
@@ -140,8 +140,8 @@ def test_tree_refusals(llama) -> None:
 
 def test_the_tree_travels_through_the_wire_conversion() -> None:
     request = target_pb2.VerifyRequest(session_id="s", base_len=3, draft_token_ids=[5, 6, 7], draft_parents=[-1, 0, -1])
-    assert convert.draft_block(request).draft_parents == (-1, 0, -1)
-    assert convert.draft_block(target_pb2.VerifyRequest(session_id="s", base_len=3)).draft_parents == ()
+    assert wire.draft_block(request).draft_parents == (-1, 0, -1)
+    assert wire.draft_block(target_pb2.VerifyRequest(session_id="s", base_len=3)).draft_parents == ()
 
 
 def test_tree_helpers() -> None:

@@ -1,0 +1,48 @@
+"""What goes in and out of ``TargetEngine``: plain dataclasses and enums, no protobuf.
+
+``wire.py`` translates them to and from the ``tandem.v1`` messages, so the engine can be driven by
+tests (and by anything else in-process) without a network. The block, the verdict and the finish
+reasons are the ones the draft and the gateway use too (``tandem.rpc.types``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.rpc.types import (  # noqa: F401 (re-exported for the target's modules)
+    DraftBlock,
+    FinishReason,
+    SparseDist,
+    Verdict,
+    VerdictStatus,
+)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    dtype: str
+    device: str
+    max_context_len: int
+    eos_token_ids: tuple[int, ...]
+    hidden_size: int
+    verifier_backend: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    token_id: int
+    committed_len: int
+    finish_reason: FinishReason
+    hidden_states: torch.Tensor | None = None  # [prompt_len, hidden_size] when asked for
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    token_ids: tuple[int, ...]
+    committed_len: int
+    finish_reason: FinishReason

@@ -1,0 +1,62 @@
+"""Translation between ``tandem.v1`` messages and the engine's dataclasses (``types.py``); what the
+target shares with the draft and the gateway goes through ``tandem.rpc.codecs``."""
+
+from __future__ import annotations
+
+from tandem.rpc import codecs
+from tandem.v1 import common_pb2, target_pb2
+from target_service.session import SessionConfig
+from target_service.types import DraftBlock, EngineInfo, GenerateResult, PrefillResult, Verdict
+
+
+def session_config(params: common_pb2.SessionParams, return_hidden_states: bool) -> SessionConfig:
+    sampling = codecs.sampling_params(params.sampling)
+    return SessionConfig(
+        max_new_tokens=params.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=tuple(params.stop_token_ids),
+        return_hidden_states=return_hidden_states,
+    )
+
+
+def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:
+    return codecs.draft_block(request)
+
+
+def prefill_response(result: PrefillResult) -> target_pb2.PrefillResponse:
+    return target_pb2.PrefillResponse(
+        token_id=result.token_id,
+        committed_len=result.committed_len,
+        finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
+        hidden_states=codecs.hidden_states_to_wire(result.hidden_states),
+    )
+
+
+def verify_response(verdict: Verdict) -> target_pb2.VerifyResponse:
+    return codecs.verdict_to_wire(verdict)
+
+
+def generate_response(result: GenerateResult) -> target_pb2.TargetServiceGenerateResponse:
+    return target_pb2.TargetServiceGenerateResponse(
+        token_ids=result.token_ids,
+        committed_len=result.committed_len,
+        finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
+    )
+
+
+def info_response(info: EngineInfo) -> target_pb2.TargetServiceInfoResponse:
+    return target_pb2.TargetServiceInfoResponse(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        dtype=info.dtype,
+        device=info.device,
+        max_context_len=info.max_context_len,
+        eos_token_ids=info.eos_token_ids,
+        hidden_size=info.hidden_size,
+        verifier_backend=info.verifier_backend,
+    )
