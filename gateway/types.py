@@ -14,18 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.policy import Mode
-from tandem.rpc.types import FinishReason, SamplingParams  # shared with the draft and the target
-
-
-@dataclass(frozen=True)
-class SessionParams:
-    """What a target session is fixed with at its ``Prefill`` (and the draft is told in ``Speculate``)."""
-
-    sampling: SamplingParams
-    # Tokens the session may generate in total (its first token included).
-    max_new_tokens: int
-    ignore_eos: bool
-    stop_token_ids: tuple[int, ...]
+from tandem.rpc.types import (  # noqa: F401 (shared with the draft and the target; re-exported)
+    FinishReason,
+    SamplingParams,
+    SessionParams,
+)
 
 
 @dataclass(frozen=True)

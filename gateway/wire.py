@@ -21,22 +21,13 @@ from tandem.v1 import common_pb2, draft_pb2, target_pb2
 # -- requests ----------------------------------------------------------------------------------
 
 
-def session_params(params: SessionParams) -> common_pb2.SessionParams:
-    return common_pb2.SessionParams(
-        sampling=codecs.sampling_params_to_wire(params.sampling),
-        max_new_tokens=params.max_new_tokens,
-        ignore_eos=params.ignore_eos,
-        stop_token_ids=params.stop_token_ids,
-    )
-
-
 def prefill_request(
     session_id: str, token_ids: Sequence[int], params: SessionParams, tokenizer_fingerprint: str
 ) -> target_pb2.PrefillRequest:
     return target_pb2.PrefillRequest(
         session_id=session_id,
         prompt_token_ids=token_ids,
-        params=session_params(params),
+        params=codecs.session_params_to_wire(params),
         tokenizer_fingerprint=tokenizer_fingerprint,
     )
 
@@ -59,7 +50,7 @@ def speculate_request(
         session_id=session_id,
         token_ids=token_ids,
         prompt_len=prompt_len,
-        params=session_params(params),
+        params=codecs.session_params_to_wire(params),
         num_speculative_tokens=num_speculative_tokens,
         tokenizer_fingerprint=tokenizer_fingerprint,
         max_new_tokens=max_new_tokens,

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from target_service.types import FinishReason
+from target_service.types import FinishReason, SessionParams
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Everything fixed at a session's start (the engine's view of ``SessionParams``)."""
+    """Everything fixed at a session's start: ``tandem.rpc.types.SessionParams`` as the engine reads
+    it (sampling flattened), and whether Verify returns hidden states."""
 
     max_new_tokens: int  # tokens the session may generate, the first one from Prefill included
     temperature: float = 0.0  # 0 = greedy
@@ -34,6 +35,20 @@ class SessionConfig:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     return_hidden_states: bool = False
+
+    @classmethod
+    def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
+        sampling = params.sampling
+        return cls(
+            max_new_tokens=params.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=params.stop_token_ids,
+            return_hidden_states=return_hidden_states,
+        )
 
 
 @dataclass(frozen=True)

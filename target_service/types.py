@@ -14,6 +14,7 @@ import torch
 from tandem.rpc.types import (  # noqa: F401 (re-exported for the target's modules)
     DraftBlock,
     FinishReason,
+    SessionParams,
     SparseDist,
     Verdict,
     VerdictStatus,

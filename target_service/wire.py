@@ -10,17 +10,7 @@ from target_service.types import DraftBlock, EngineInfo, GenerateResult, Prefill
 
 
 def session_config(params: common_pb2.SessionParams, return_hidden_states: bool) -> SessionConfig:
-    sampling = codecs.sampling_params(params.sampling)
-    return SessionConfig(
-        max_new_tokens=params.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
-        ignore_eos=params.ignore_eos,
-        stop_token_ids=tuple(params.stop_token_ids),
-        return_hidden_states=return_hidden_states,
-    )
+    return SessionConfig.of(codecs.session_params(params), return_hidden_states)
 
 
 def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:

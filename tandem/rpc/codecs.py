@@ -12,7 +12,15 @@ import math
 import numpy as np
 import torch
 
-from tandem.rpc.types import DraftBlock, FinishReason, SamplingParams, SparseDist, Verdict, VerdictStatus
+from tandem.rpc.types import (
+    DraftBlock,
+    FinishReason,
+    SamplingParams,
+    SessionParams,
+    SparseDist,
+    Verdict,
+    VerdictStatus,
+)
 from tandem.v1 import common_pb2, target_pb2
 
 
@@ -65,6 +73,24 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
 def sampling_params_to_wire(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+    )
+
+
+def session_params(message: common_pb2.SessionParams) -> SessionParams:
+    return SessionParams(
+        sampling=sampling_params(message.sampling),
+        max_new_tokens=message.max_new_tokens,
+        ignore_eos=message.ignore_eos,
+        stop_token_ids=tuple(message.stop_token_ids),
+    )
+
+
+def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
+    return common_pb2.SessionParams(
+        sampling=sampling_params_to_wire(params.sampling),
+        max_new_tokens=params.max_new_tokens,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
     )
 
 

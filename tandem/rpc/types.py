@@ -1,8 +1,8 @@
 """The values both ends of a hop mean the same thing by: one class per meaning, no protobuf.
 
 The draft sends a :class:`DraftBlock` and reads a :class:`Verdict`; the target reads the block and
-sends the verdict; the gateway and the target agree on :class:`SamplingParams` and
-:class:`FinishReason`. Each service works on these (and on its own dataclasses), and converts to
+sends the verdict; the gateway, the draft and the target agree on :class:`SessionParams` (with its
+:class:`SamplingParams`) and :class:`FinishReason`. Each service works on these (and on its own dataclasses), and converts to
 and from ``tandem.v1`` messages only at its edge, through :mod:`tandem.rpc.codecs`.
 """
 
@@ -49,6 +49,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """What a target session is fixed with at its ``Prefill`` (and the draft is told in ``Speculate``)."""
+
+    sampling: SamplingParams
+    # Tokens the session may generate in total, its first token (from Prefill) included: the
+    # session's budget, not a call's (a Speculate or Generate call's own max_new_tokens bounds
+    # that call only).
+    max_new_tokens: int
+    ignore_eos: bool = False  # do not stop on the model's end-of-sequence tokens
+    stop_token_ids: tuple[int, ...] = ()  # further tokens that end the session (included)
 
 
 @dataclass(frozen=True)
