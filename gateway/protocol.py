@@ -171,6 +171,7 @@ class SpeculativeDecodingUsage(BaseModel):
     mode: Literal["speculative", "autoregressive", "mixed"]
     fallbacks: int
     fallback_reason: str | None = None
+    empty_rounds: int = 0  # verified blocks that carried no drafts (not counted in rounds)
 
 
 class UsageInfo(BaseModel):

@@ -20,7 +20,9 @@ CONTRACT_METRICS = [
     "tandem_e2e_request_latency_seconds", "tandem_session_fallbacks_total", "tandem_sessions_active",
     "tandem_requests_total",
 ]
-SPEC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks"}
+# The usage fields the README documents (the design names the first six).
+SPEC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks", "fallback_reason",
+             "empty_rounds"}
 
 
 @pytest.fixture
