@@ -2,12 +2,19 @@
 
 The supervisor prepares the models once (a GGUF is converted before any child starts, so the
 children do not race to convert it), starts the children, waits until every one reports SERVING
-over gRPC health, prints the URLs, and stops all of them when one dies or on Ctrl-C / SIGTERM.
+over gRPC health and prints the URLs. From then on a child that exits is started again with its
+own command line after a delay that doubles with each restart (:class:`Backoff`, reset once the
+child has stayed up a while), while the others keep serving: the gateway answers 503 for what
+needs the missing service and resumes when it is back. Each restart is logged, and the restarted
+service reports how many there were in ``tandem_process_restarts``. A child that dies before the
+stack is ready stops it (a port in use or a bad model would only fail again). Ctrl-C / SIGTERM stop
+every child in order: gateway, draft, target.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,8 +26,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem import models
 from tandem.config import ServeSettings
+from tandem.telemetry.metrics import RESTARTS_ENV
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backoff:
+    """The delays before restarting one child: ``initial_s``, doubling up to ``max_s``; back to
+    ``initial_s`` once the child had stayed up ``stable_s`` (a crash a day is not a crash loop)."""
+
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    stable_s: float = 120.0
+    _next_s: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._next_s = self.initial_s
+
+    def delay(self, uptime_s: float) -> float:
+        """The delay before the restart of a child that exited after ``uptime_s`` seconds up."""
+        if uptime_s >= self.stable_s:
+            self._next_s = self.initial_s
+        delay, self._next_s = self._next_s, min(self.max_s, self._next_s * 2)
+        return delay
 
 
 @dataclass
@@ -29,9 +58,19 @@ class Child:
     argv: list[str]
     health_address: str
     process: subprocess.Popen | None = field(default=None, repr=False)
+    restarts: int = 0
+    started_at: float = 0.0  # time.monotonic() of the last start
+    restart_at: float | None = None  # when a child that exited is due to start again
+    backoff: Backoff = field(default_factory=Backoff, repr=False)
 
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def spawn(self) -> None:
+        """Starts the child's command (again), telling it how often it was restarted."""
+        env = {**os.environ, RESTARTS_ENV: str(self.restarts)}
+        self.process = subprocess.Popen(self.argv, start_new_session=True, env=env)
+        self.started_at, self.restart_at = time.monotonic(), None
 
 
 def connect_host(host: str) -> str:
@@ -81,9 +120,9 @@ def is_serving(address: str, timeout: float = 2.0) -> bool:
 
 
 class Supervisor:
-    def __init__(self, settings: ServeSettings) -> None:
+    def __init__(self, settings: ServeSettings, children: list[Child] | None = None) -> None:
         self.settings = settings
-        self.children = child_commands(settings)
+        self.children = child_commands(settings) if children is None else children
         self._stopping = False
 
     def prepare_models(self) -> None:
@@ -98,7 +137,7 @@ class Supervisor:
     def start(self) -> None:
         for child in self.children:
             log.info("starting %s: %s", child.name, " ".join(child.argv[1:]))
-            child.process = subprocess.Popen(child.argv, start_new_session=True)
+            child.spawn()
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.exited() is not None), None)
@@ -136,14 +175,25 @@ class Supervisor:
             flush=True,
         )
 
-    def watch(self) -> int:
+    def watch(self, poll_s: float = 0.2) -> int:
+        """Restarts children that exit, each after its backoff, until a stop is requested."""
         while not self._stopping:
-            dead = self.dead_child()
-            if dead is not None:
-                log.error("%s exited with code %s; stopping the stack", dead.name, dead.exited())
-                return 1
-            time.sleep(0.5)
+            self.restart_exited(time.monotonic())
+            time.sleep(poll_s)
         return 0
+
+    def restart_exited(self, now: float) -> None:
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    log.warning("restarting %s (restart %d)", child.name, child.restarts)
+                    child.spawn()
+            elif child.exited() is not None:
+                delay = child.backoff.delay(now - child.started_at)
+                child.restart_at = now + delay
+                log.error("%s exited with code %s after %.0fs up; restarting it in %.1fs", child.name,
+                          child.exited(), now - child.started_at, delay)
 
     def request_stop(self, *_: object) -> None:
         self._stopping = True

@@ -127,7 +127,7 @@ def running_stack(
 @dataclass
 class Services:
     """Target, draft and gateway started from ``tandem serve``'s own child commands, without its
-    supervisor (which stops the whole stack when one child dies)."""
+    supervisor (which would restart a child that a test kills)."""
 
     settings: ServeSettings
     children: dict[str, Child]

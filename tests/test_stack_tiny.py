@@ -143,3 +143,40 @@ def test_tokenizer_mismatch_stops_the_stack_with_a_clear_error(tiny_dir, tmp_pat
             pass
     message = str(failure.value)
     assert "tokenizer" in message.lower() and str(other.name) in message and str(tiny_dir.name) in message
+
+
+def test_a_killed_service_is_restarted_and_the_stack_serves_again(tiny_dir, tiny_draft_dir) -> None:
+    """The supervisor restarts a child that dies (here the target, SIGKILLed) instead of stopping
+    the stack; once it serves again, requests succeed and it reports the restart."""
+    import psutil
+
+    from stack import is_serving
+
+    with running_stack(str(tiny_dir), str(tiny_draft_dir), k=4) as stack:
+        def target_child() -> psutil.Process | None:
+            children = psutil.Process(stack.process.pid).children()
+            return next((p for p in children if p.is_running() and p.cmdline()[3:4] == ["target"]), None)
+
+        first = target_child()
+        first.kill()
+        first.wait(timeout=30)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            second = target_child()
+            if second is not None and second.pid != first.pid and is_serving(f"127.0.0.1:{stack.target_port}", 1.0):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the target was not restarted:\n{stack.log()}")
+        assert stack.process.poll() is None  # the stack kept running
+        ids: list[int] = []
+        while not ids and time.monotonic() < deadline:  # until the gateway sees the target again
+            try:
+                ids, _, _ = grpc_generate(stack, prompt="def fibonacci(n):", max_tokens=8, temperature=0.0,
+                                          speculation=common_pb2.SPECULATION_MODE_ON)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                time.sleep(0.5)
+        assert len(ids) == 8
+        assert metric_value(stack.metrics(stack.target_metrics_port), "tandem_process_restarts") == 1
+        assert "restarting target (restart 1)" in stack.log()

@@ -6,6 +6,7 @@ its verify time, the draft and the gateway the speculation counters, the gateway
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -55,9 +56,23 @@ class Metrics:
         self.speculation_prior.labels(temperature=band).set(ratio)
 
 
+# Set by ``tandem serve``'s supervisor on a child it restarted: how many times it did.
+RESTARTS_ENV = "TANDEM_SUPERVISOR_RESTARTS"
+
+
 def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Metrics:
     """All DESIGN §3 metrics on a fresh registry (one per service, so tests can make many)."""
     reg = registry if registry is not None else CollectorRegistry()
+    restarts = Gauge(
+        "tandem_process_restarts",
+        "Times tandem serve's supervisor restarted this service after it exited (0 elsewhere: an "
+        "orchestrator counts its own, e.g. Kubernetes' kube_pod_container_status_restarts_total)",
+        registry=reg,
+    )
+    try:
+        restarts.set(max(0, int(os.environ.get(RESTARTS_ENV, "0"))))
+    except ValueError:
+        restarts.set(0)
     return Metrics(
         registry=reg,
         num_drafts=Counter("tandem_spec_decode_num_drafts", "Speculation rounds (draft blocks verified)", registry=reg),
