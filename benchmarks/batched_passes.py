@@ -43,7 +43,7 @@ def measure(engine: TargetEngine, sessions: int, rows: int, repeats: int) -> tup
     for _ in range(repeats):
         started = time.perf_counter()
         with torch.inference_mode():
-            ragged.forward(engine.model, [s.cache for s in live], tokens, engine.device)
+            ragged.forward(engine.runner.model, [s.cache for s in live], tokens, engine.device)
         batched.append(time.perf_counter() - started)
         restore()
         started = time.perf_counter()

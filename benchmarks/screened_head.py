@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     loaded = load_model(args.model, device="cpu")
     screened = TargetEngine(loaded)
-    if screened.greedy_head is None:
+    if screened.runner.greedy_head is None:
         sys.exit("this model and host get no screened head (see the target's log for why)")
     plain = TargetEngine(loaded, screened_head=False)
     prompt = [(7 * i + 11) % 5000 + 100 for i in range(args.context)]

@@ -47,31 +47,8 @@ __all__ = ["Answer", "DecodeStep", "PrefillJob", "TargetEngine"]
 log = logging.getLogger(__name__)
 
 
-class _OnRunner:
-    """An engine attribute that lives on its runner: reading or setting it on the engine (tests swap
-    the model, the verifier or the greedy head) reads or sets the runner's own."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine: TargetEngine | None, owner: type | None = None):
-        return self if engine is None else getattr(engine.runner, self.name)
-
-    def __set__(self, engine: TargetEngine, value) -> None:
-        setattr(engine.runner, self.name, value)
-
-
 class TargetEngine:
     """Owns the target model (through its runner) and every session's committed tokens and KV cache."""
-
-    model = _OnRunner()
-    verifier = _OnRunner()
-    greedy_head = _OnRunner()
-    ragged_after = _OnRunner()
-    row_exact = _OnRunner()
-    lean = _OnRunner()
-    batched = _OnRunner()
-    attention = _OnRunner()
 
     def __init__(
         self,
@@ -102,13 +79,13 @@ class TargetEngine:
         self.vocab_size = self.runner.vocab_size
         log.info(
             "target attention: %s; verifier: %s; short passes: %s",
-            self.attention,
-            self.verifier.backend,
-            "gemma_pass" if self.lean else "the module tree",
+            self.runner.attention,
+            self.runner.verifier.backend,
+            "gemma_pass" if self.runner.lean else "the module tree",
         )
-        self.info = model_info.engine_info(loaded, max_context_len, self.verifier.backend)
+        self.info = model_info.engine_info(loaded, max_context_len, self.runner.verifier.backend)
         text_config = loaded.model.config.get_text_config()
-        per_position = kv_cache.bytes_per_position(text_config, next(self.model.parameters()).dtype)
+        per_position = kv_cache.bytes_per_position(text_config, next(self.runner.model.parameters()).dtype)
         budget_tokens = max(1, kv_cache_bytes // per_position) if kv_cache_bytes else 0  # 0: no budget
         if kv_cache_bytes:
             log.info(

@@ -187,7 +187,7 @@ def test_the_engine_routes_short_steps_through_the_pass(tiny_gguf_gemma, tmp_pat
     model = _quantized(tiny_gguf_gemma, tmp_path, "reference")
     engine = TargetEngine(models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir, "float32",
                                              "cpu", "quantized:test"))
-    assert engine.lean and not engine.row_exact
+    assert engine.runner.lean and not engine.runner.row_exact
     calls = []
     real = gemma_pass.GemmaPass.run
     monkeypatch.setattr(gemma_pass.GemmaPass, "run",

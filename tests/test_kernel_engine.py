@@ -28,7 +28,7 @@ def test_target_engine_on_the_kernels_stays_lossless(tiny_dir) -> None:
     if CUDA:
         assert engine.info.verifier_backend == "triton"
     else:
-        engine.verifier = Verifier("triton", kernel_verify.verify_chain, kernel_sampling.sample_tokens)
+        engine.runner.verifier = Verifier("triton", kernel_verify.verify_chain, kernel_sampling.sample_tokens)
     prompt = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         expected = loaded.model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=24, do_sample=False,

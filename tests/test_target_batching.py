@@ -116,7 +116,7 @@ def test_a_model_whose_attention_cannot_be_wrapped_is_served_one_session_per_pas
     try:
         assert ragged.install(llama.model) is None and llama.model.config._attn_implementation == "eager"
         engine, alone = _engine(llama), _engine(llama)
-        assert not engine.batched
+        assert not engine.runner.batched
         sessions = {"a": SessionConfig(max_new_tokens=6), "b": SessionConfig(max_new_tokens=6)}
         _start(engine, sessions)
         _start(alone, sessions)
@@ -204,7 +204,7 @@ def test_run_batch_answers_each_call_as_it_would_be_answered_alone(target) -> No
 def test_gpu_run_batch_through_the_tree_attention_kernel(tiny_gemma_dir) -> None:
     """On CUDA the ragged wrapper goes around the Triton tree-attention kernel (one call per session)."""
     loaded = load_model(str(tiny_gemma_dir), device="cuda", dtype="float32")
-    assert TargetEngine(loaded).attention == ragged.PREFIX + hf_attention.NAME
+    assert TargetEngine(loaded).runner.attention == ragged.PREFIX + hf_attention.NAME
     _check_run_batch_matches_alone(loaded)
 
 
@@ -226,12 +226,12 @@ def _check_run_batch_matches_alone(target, screened: bool = False) -> None:
     }
     metrics = make_metrics("target")
     batched, alone = _engine(target, metrics=metrics), _engine(target)
-    assert batched.greedy_head is None  # a tiny head: below the screen's threshold
+    assert batched.runner.greedy_head is None  # a tiny head: below the screen's threshold
     screened_rows = []
     if screened:
         head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
-        batched.greedy_head = lambda hidden: screened_rows.append(len(hidden)) or head(hidden)
-    alone.ragged_after = None  # the twin runs every call through transformers' own path
+        batched.runner.greedy_head = lambda hidden: screened_rows.append(len(hidden)) or head(hidden)
+    alone.runner.ragged_after = None  # the twin runs every call through transformers' own path
     _start(batched, sessions)
     _start(alone, sessions)
     prefills = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")  # a pass each
@@ -268,8 +268,8 @@ def test_a_lone_step_past_the_sliding_window_takes_the_ragged_path_with_the_same
 
     monkeypatch.setattr(ragged, "forward", spy)
     engine, ordinary = _engine(gemma, prefill_chunk_tokens=0), _engine(gemma, prefill_chunk_tokens=0)
-    ordinary.ragged_after = None
-    assert engine.ragged_after == gemma.model.config.get_text_config().sliding_window == 8
+    ordinary.runner.ragged_after = None
+    assert engine.runner.ragged_after == gemma.model.config.get_text_config().sliding_window == 8
     config = SessionConfig(max_new_tokens=40, ignore_eos=True, return_hidden_states=True)
     for e in (engine, ordinary):
         e.prefill("s", _tokens(3, 5), config)  # inside the window
@@ -289,7 +289,7 @@ def test_a_lone_step_past_the_sliding_window_takes_the_ragged_path_with_the_same
     for e in (engine, ordinary):
         e.prefill("long", _tokens(4, 30), SessionConfig(max_new_tokens=4))  # one 30-token chunk
     assert ragged_rows == []
-    assert _engine(llama).ragged_after is None  # no sliding layers: nothing to gain
+    assert _engine(llama).runner.ragged_after is None  # no sliding layers: nothing to gain
 
 
 def test_prefill_chunks_share_passes_with_other_sessions_and_give_the_same_answers(target) -> None:

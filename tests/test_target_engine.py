@@ -137,7 +137,7 @@ def test_chunked_prefill_equals_one_pass_and_transformers(target, chunk, screene
     whole = TargetEngine(target, prefill_chunk_tokens=0).prefill("s", prompt, greedy(return_hidden_states=True))
     engine = TargetEngine(target, prefill_chunk_tokens=chunk)
     if screened:
-        engine.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
+        engine.runner.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
     first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
     assert (first.token_id, first.committed_len) == (reference[0], PROMPT_LEN + 1)
     torch.testing.assert_close(first.hidden_states, whole.hidden_states, atol=1e-4, rtol=1e-4)
@@ -426,7 +426,7 @@ def test_a_failed_forward_pass_drops_only_that_session(llama, monkeypatch) -> No
         raise RuntimeError("out of memory")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "model", out_of_memory)
+        patch.setattr(engine.runner, "model", out_of_memory)
         with pytest.raises(RuntimeError):
             engine.verify(DraftBlock("broken", PROMPT_LEN + 1, (1, 2)))
     with pytest.raises(SessionNotFound):  # its cache may be half-written: it is gone

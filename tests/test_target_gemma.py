@@ -51,7 +51,7 @@ def test_greedy_verify_equals_generate_across_the_sliding_window(gemma) -> None:
     engine = TargetEngine(gemma)
     # Greedy tokens come from the screened LM head where oneDNN packs its bfloat16 copy (AVX-512),
     # else from the float32 head (AVX2-only hosts): exact either way.
-    assert (engine.greedy_head is not None) == onednn_packs_bfloat16()
+    assert (engine.runner.greedy_head is not None) == onednn_packs_bfloat16()
     info = engine.info
     assert (info.vocab_size, info.hidden_size, info.max_context_len) == (262144, 640, 32768)
     assert 1 in info.eos_token_ids and gemma.model.config.sliding_window == 512

@@ -427,7 +427,7 @@ async def test_an_internal_failure_is_reported_and_the_service_goes_on(stub, eng
         raise RuntimeError("simulated failure")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "model", broken)
+        patch.setattr(engine.runner, "model", broken)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.Prefill(prefill_request(new_id()))
     assert error.value.code() == grpc.StatusCode.INTERNAL and "simulated failure" in error.value.details()

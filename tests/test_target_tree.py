@@ -57,7 +57,7 @@ def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -
     if screened:  # the screened head's argmax path (the tiny head is below its size threshold otherwise)
         from tandem.cpu.screened_head import ScreenedArgmax
 
-        engine.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
+        engine.runner.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
     prompt = prompt_ids(0)
     reference = hf_greedy(target.model, prompt, NEW_TOKENS)
     engine.prefill("s", prompt, greedy())
@@ -162,7 +162,7 @@ def test_trees_through_tandem_tree_attention(tiny_gemma_dir) -> None:
     loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
     hf_attention.install(loaded.model, hf_attention.NAME_REFERENCE)
     engine = TargetEngine(loaded)
-    assert engine.attention.endswith(hf_attention.NAME_REFERENCE)
+    assert engine.runner.attention.endswith(hf_attention.NAME_REFERENCE)
     prompt = prompt_ids(9)
     reference = hf_greedy(loaded.model, prompt, 12)
     engine.prefill("s", prompt, greedy(max_new_tokens=12))
