@@ -1,4 +1,4 @@
-"""What every generation shares: upstream clients, policy, breaker, tuning and background tasks.
+"""What every generation shares: upstream pools, policy, tuning and background tasks.
 
 One ``GenerationDeps`` is built by the gateway at start-up and handed to each ``Generation``.
 Invariant: generations never assign its fields; what they count together goes through its
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.adaptive import AdaptiveConfig, StepTimer
-from gateway.breaker import DraftBreaker
 from gateway.counters import SessionCounters
 from gateway.pacer import PacerConfig
 from gateway.policy import SpeculationPolicy
+from gateway.pool import Pool
 from gateway.request import Smoothing
 from gateway.served_model import ServedModel
 from gateway.upstream import DraftUpstream, TargetUpstream
@@ -54,6 +54,10 @@ class SessionTuning:
     draft_stall_timeout_s: float = 5.0
     # ... for at most this many times as long.
     draft_stall_cap_factor: float = 12.0
+    # A target silent this long is asked for its health (as long again); failing it, it is dead.
+    target_timeout_s: float = 10.0
+    # How long a session whose target died waits for a serving target before it fails.
+    failover_wait_s: float = 60.0
 
     @classmethod
     def from_settings(cls, settings: GatewaySettings) -> SessionTuning:
@@ -62,6 +66,8 @@ class SessionTuning:
             pacer=PacerConfig(max_delay_rounds=settings.stream_smoothing_max_delay_rounds),
             adaptive=AdaptiveConfig.from_settings(settings),
             draft_stall_timeout_s=settings.draft_stall_timeout_s,
+            target_timeout_s=settings.target_timeout_s,
+            failover_wait_s=settings.failover_wait_s,
         )
 
 
@@ -69,15 +75,14 @@ class SessionTuning:
 class GenerationDeps:
     """What a generation needs from the gateway; one instance is shared by all requests."""
 
-    target: TargetUpstream
-    draft: DraftUpstream
+    targets: Pool[TargetUpstream]
+    drafts: Pool[DraftUpstream]
     model: ServedModel
     policy: SpeculationPolicy
     metrics: Metrics
     draft_ready: Callable[[], bool]
     default_num_speculative_tokens: int
     background: BackgroundTasks = field(default_factory=BackgroundTasks)
-    breaker: DraftBreaker = field(default_factory=DraftBreaker)
     tuning: SessionTuning = field(default_factory=SessionTuning)
     step_timer: StepTimer = field(default_factory=StepTimer)
     # Sessions in progress, Prefill calls in flight, the last draft message: what every
@@ -88,7 +93,8 @@ class GenerationDeps:
         self.counters = SessionCounters(self.metrics)
 
     def can_speculate(self) -> bool:
-        return self.draft_ready() and self.breaker.allows_speculation
+        """Whether a draft of the pool may take a speculative leg now."""
+        return self.draft_ready() and self.drafts.can_place()
 
     def draft_silence_explained(self, now: float) -> bool:
         """Whether a silent Speculate stream is waiting behind a busy target rather than on a

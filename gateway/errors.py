@@ -92,3 +92,16 @@ class UpstreamFailure(GatewayError):
     http_status = 502
     grpc_code = grpc.StatusCode.INTERNAL
     error_type = "server_error"
+
+
+class TargetLost(UpstreamUnavailable):
+    """The target that holds a session died, hung or lost the session: the session moves to
+    another target (:mod:`gateway.target_session`). ``reason`` labels
+    ``tandem_session_failovers_total``: ``unavailable`` (connection lost or refused), ``timeout``
+    (silent past ``--target-timeout-s`` and failing its health check too) or ``session_lost``
+    (the target no longer knows the session, e.g. it restarted)."""
+
+    def __init__(self, message: str, *, reason: str, address: str) -> None:
+        super().__init__(message, code="upstream_unavailable")
+        self.reason = reason
+        self.address = address

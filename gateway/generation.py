@@ -10,7 +10,9 @@ A :class:`Generation` owns one request from ``Prefill`` to ``Release``:
    end by themselves, between which a :class:`gateway.adaptive.SessionController` may switch the
    session between speculation and autoregressive decoding. When the draft is unreachable, fails
    or stalls, the session goes on with ``Generate`` (``speculation: "auto"``) and the draft's
-   circuit breaker (:mod:`gateway.breaker`) keeps new sessions off it until it is healthy.
+   circuit breaker (:mod:`gateway.breaker`) keeps new sessions off it until it is healthy. With
+   another draft in the pool, the session moves to it instead. A target that dies or hangs moves
+   the session to another target (a *failover*, :mod:`gateway.target_session`).
    With smoothing, a :class:`gateway.pacer.Pacer` spreads each batch over about one round.
 3. :meth:`Generation.aclose` (also ``async with``) runs on every exit path: finish, stop string,
    error, client disconnect. It cancels the upstream stream first (a cancelled ``Speculate`` makes
@@ -48,7 +50,7 @@ from gateway.adaptive import SessionController
 from gateway.admission import Ticket
 from gateway.breaker import DraftFailure
 from gateway.deps import GenerationDeps
-from gateway.errors import GatewayError, UpstreamFailure
+from gateway.errors import GatewayError, TargetLost, UpstreamFailure
 from gateway.events import Event, Finished, TextDelta, Usage
 from gateway.leg_reader import LegReader
 from gateway.legs import DraftLegFailed
@@ -218,12 +220,23 @@ class Generation:
                     async for batch in batches:
                         produced = produced or bool(batch.token_ids)
                         yield batch
+            except TargetLost as lost:
+                yield await self._session.failover(self._output.completion, lost)
+                continue
             except DraftLegFailed as failed:
+                if failed.member is not None and failed.member.breaker is not None and failed.recoverable:
+                    failed.member.breaker.record_failure(failed.failure)
+                if (failed.recoverable and failed.member is not None and self._deps.can_speculate()
+                        and self._deps.drafts.can_place(frozenset({failed.member.address}))):
+                    # Another draft of the pool takes the session on, from exactly what the client has.
+                    self._legs.avoid_draft = frozenset({failed.member.address})
+                    yield await self._session.resync(self._output.completion,
+                                                     f"the draft at {failed.member.address} {failed.failure.value}")
+                    continue
                 if self.request.speculation is not Speculation.AUTO or not failed.recoverable:
                     log.warning("session %s: the draft %s (%s); not recovered (speculation %r)", self.session_id,
                                 failed.failure.value, failed.error.message, self.request.speculation.value)
                     raise failed.error from failed
-                self._deps.breaker.record_failure(failed.failure)
                 log.warning("session %s: the draft %s (%s); continuing with the target's Generate",
                             self.session_id, failed.failure.value, failed.error.message)
                 self._enter(controller.fall_back(DRAFT_UNAVAILABLE))

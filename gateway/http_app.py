@@ -108,8 +108,8 @@ def create_app(core: GatewayCore) -> FastAPI:
         body = {
             "status": "ok" if ready else "unavailable",
             "model": core.model.name,
-            "target": core.monitor.target.to_json(),
-            "draft": core.monitor.draft.to_json(),
+            "target": core.monitor.targets.to_json(),
+            "draft": core.monitor.drafts.to_json(),
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -7,8 +7,15 @@ unless the target is busy (:meth:`gateway.deps.GenerationDeps.draft_silence_expl
 longer than ``draft_stall_cap_factor`` times that. An autoregressive leg right after a draft
 failure checks that the target is in step with the client and asks for a resync if not.
 
+Each speculative leg is placed on the least-loaded draft of the pool (:mod:`gateway.pool`) and
+names the session's target in its ``Speculate`` call. Either kind of leg that hears nothing for
+``target_timeout_s`` asks the session's target for its health; a target that does not answer is
+lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
+one whose connection drops, directly or under the draft.
+
 Invariant: the reader holds at most one upstream stream, the current one, which :meth:`cancel`
-cancels (a cancelled ``Speculate`` makes the draft release its state).
+cancels (a cancelled ``Speculate`` makes the draft release its state), and at most one draft
+placement, closed when its leg ends.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ from gateway import wire
 from gateway.adaptive import Leg, Round, SessionController
 from gateway.breaker import DraftFailure
 from gateway.deps import GenerationDeps
-from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.errors import GatewayError, TargetLost, UpstreamUnavailable
 from gateway.legs import DraftLegFailed, classify_draft_error, timed
 from gateway.output import Output
+from gateway.pool import Member
 from gateway.policy import Mode
 from gateway.request import GenerationRequest
 from gateway.target_session import Resync, TargetSession
@@ -39,6 +47,8 @@ class LegReader:
         self._session = session
         self._output = output
         self._stream: UpstreamStream[Any] | None = None
+        # Drafts not to place the next speculative legs on while others serve (one that failed).
+        self.avoid_draft: frozenset[str] = frozenset()
 
     def cancel(self) -> None:
         """Cancels the current upstream stream, if any (it wakes up a reader waiting on it)."""
@@ -52,21 +62,38 @@ class LegReader:
         return self._autoregressive(leg, controller)
 
     async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
-        stream = self._stream = self._deps.draft.speculate(self._speculate_request(leg.max_new_tokens))
         deps = self._deps
-        deadline = deps.tuning.draft_stall_timeout_s
-        cap = deadline * deps.tuning.draft_stall_cap_factor
+        placement = deps.drafts.place(self.avoid_draft)
+        if placement is None:
+            error = UpstreamUnavailable(deps.drafts.unavailable(), code="upstream_unavailable")
+            raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
+        try:
+            async for batch in self._speculate(leg, controller, placement.member):
+                yield batch
+        finally:
+            placement.close()
+
+    async def _speculate(self, leg: Leg, controller: SessionController, draft: Member[Any]) -> AsyncIterator[Batch]:
+        stream = self._stream = draft.client.speculate(self._speculate_request(leg.max_new_tokens))
+        deps = self._deps
+        stall = deps.tuning.draft_stall_timeout_s
+        cap = stall * deps.tuning.draft_stall_cap_factor
         answered = False  # before a call's first round the draft takes the session on (its own prefill)
 
-        def keep_waiting(waited_s: float) -> bool:
+        async def keep_waiting(waited_s: float) -> bool:
+            await self._session.check_alive()  # a hung target under the draft: TargetLost
+            if waited_s < stall:
+                return True
             # That prefill grows with the prompt and the machine's load: explained up to the cap.
             return waited_s < cap and (not answered or deps.draft_silence_explained(time.monotonic()))
 
         try:
-            async for message, seconds in timed(stream, time.monotonic, deadline, keep_waiting):
+            async for message, seconds in timed(stream, time.monotonic, min(stall, deps.tuning.target_timeout_s),
+                                                keep_waiting):
                 answered = True
                 deps.counters.draft_answered(time.monotonic())
-                deps.breaker.record_success()
+                if draft.breaker is not None:
+                    draft.breaker.record_success()
                 batch = wire.batch_from_speculate(message)
                 if batch.token_ids:
                     controller.observe_round(
@@ -77,18 +104,27 @@ class LegReader:
                 yield batch
         except TimeoutError:
             stream.cancel()
-            error = UpstreamUnavailable(f"the draft service sent nothing for {deadline:g}s",
+            error = UpstreamUnavailable(f"the draft service at {draft.address} sent nothing for {stall:g}s",
                                         code="upstream_unavailable")
-            raise DraftLegFailed(DraftFailure.STALLED, error) from None
+            raise DraftLegFailed(DraftFailure.STALLED, error, member=draft) from None
+        except TargetLost:
+            stream.cancel()
+            raise
         except GatewayError as error:
-            raise classify_draft_error(error) from error
+            raise classify_draft_error(error, draft) from error
 
     async def _autoregressive(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
         session = self._session
-        stream = self._stream = self._deps.target.generate(wire.generate_request(session.session_id,
-                                                                                 leg.max_new_tokens))
+        stream = self._stream = session.target.generate(wire.generate_request(session.session_id,
+                                                                              leg.max_new_tokens))
+
+        async def keep_waiting(waited_s: float) -> bool:
+            await session.check_alive()
+            return True
+
         try:
-            async for message, seconds in timed(stream, time.monotonic):
+            async for message, seconds in timed(stream, time.monotonic, self._deps.tuning.target_timeout_s,
+                                                keep_waiting):
                 batch = wire.batch_from_generate(message)
                 if session.suspect:
                     if batch.committed_len != self._output.expected_len(len(batch.token_ids)):
@@ -100,6 +136,9 @@ class LegReader:
                     if seconds is not None:
                         self._deps.step_timer.observe_step(seconds / len(batch.token_ids))
                 yield batch
+        except TargetLost:
+            stream.cancel()
+            raise
         except GatewayError as error:
             if not session.suspect:
                 raise
@@ -110,6 +149,9 @@ class LegReader:
         session = self._session
         return wire.speculate_request(
             session_id=session.session_id,
+            # One target: the draft's own (a single-target stack may spell the address differently
+            # on each side, e.g. localhost and 127.0.0.1).
+            target_address=session.address if len(self._deps.targets.members) > 1 else "",
             token_ids=[*self._request.prompt_token_ids, *self._output.completion],
             prompt_len=session.prompt_len,
             params=session.params(),

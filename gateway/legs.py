@@ -10,13 +10,15 @@ into what the breaker and the fallback need to know. (The batch type a leg yield
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from gateway.breaker import DraftFailure
 from gateway.errors import GatewayError, InvalidRequest, UpstreamUnavailable
+from gateway.pool import Member
 from gateway.upstream import UpstreamStream
 
 M = TypeVar("M")
@@ -27,34 +29,38 @@ _REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITI
 
 
 class DraftLegFailed(Exception):
-    """A speculative leg ended in a draft failure; ``error`` is what the client would see."""
+    """A speculative leg ended in a draft failure; ``error`` is what the client would see and
+    ``member`` the draft that failed (None: the pool had no draft to place the leg on)."""
 
-    def __init__(self, failure: DraftFailure, error: GatewayError, recoverable: bool = True) -> None:
+    def __init__(self, failure: DraftFailure, error: GatewayError, recoverable: bool = True,
+                 member: Member[Any] | None = None) -> None:
         super().__init__(error.message)
         self.failure = failure
         self.error = error
         self.recoverable = recoverable
+        self.member = member
 
 
-def classify_draft_error(error: GatewayError) -> DraftLegFailed:
+def classify_draft_error(error: GatewayError, member: Member[Any] | None = None) -> DraftLegFailed:
     if isinstance(error, UpstreamUnavailable):
-        return DraftLegFailed(DraftFailure.UNREACHABLE, error)
+        return DraftLegFailed(DraftFailure.UNREACHABLE, error, member=member)
     cause = error.__cause__
     code = cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
     refused = isinstance(error, InvalidRequest) or code in _REFUSALS
-    return DraftLegFailed(DraftFailure.FAILED, error, recoverable=not refused)
+    return DraftLegFailed(DraftFailure.FAILED, error, recoverable=not refused, member=member)
 
 
 async def timed(
     stream: UpstreamStream[M],
     clock: Callable[[], float],
     deadline_s: float | None = None,
-    keep_waiting: Callable[[float], bool] = lambda waited_s: False,
+    keep_waiting: Callable[[float], bool | Awaitable[bool]] = lambda waited_s: False,
 ) -> AsyncIterator[tuple[M, float | None]]:
     """Messages of ``stream`` with the seconds since the previous one (None for the first, whose
     wait includes the call's set-up). With ``deadline_s``, a wait longer than that raises
     :class:`TimeoutError` (the stream is left to the caller to cancel), unless
-    ``keep_waiting(seconds waited so far)`` says to give it another ``deadline_s``."""
+    ``keep_waiting(seconds waited so far)`` (a function or a coroutine function) says to give it
+    another ``deadline_s``; what it raises comes out of the iteration."""
     iterator: Any = aiter(stream)
     last: float | None = None
     try:
@@ -72,7 +78,7 @@ async def timed(
             await close()
 
 
-async def _patient(iterator: Any, deadline_s: float, keep_waiting: Callable[[float], bool]) -> Any:
+async def _patient(iterator: Any, deadline_s: float, keep_waiting: Callable[[float], bool | Awaitable[bool]]) -> Any:
     """The next message; TimeoutError once a wait of ``deadline_s`` ends with ``keep_waiting`` False."""
     pending = asyncio.ensure_future(anext(iterator))
     waited = 0.0
@@ -82,7 +88,8 @@ async def _patient(iterator: Any, deadline_s: float, keep_waiting: Callable[[flo
             if done:
                 return pending.result()
             waited += deadline_s
-            if not keep_waiting(waited):
+            verdict = keep_waiting(waited)
+            if not (await verdict if inspect.isawaitable(verdict) else verdict):
                 raise TimeoutError
     finally:
         if not pending.done():

@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -31,12 +32,13 @@ from gateway.monitor import UpstreamMonitor
 from gateway.policy import PolicyConfig, SpeculationPolicy
 from gateway.prior import TemperaturePrior
 from gateway.served_model import ServedModel, config_context_len
+from gateway.pool import Member, Pool
 from gateway.upstream import GrpcDraft, GrpcTarget
 from gateway.validation import RequestValidator
 from tandem import telemetry
 from tandem.config import GatewaySettings
 from tandem.rpc.endpoints import Health
-from tandem.telemetry.metrics import make_metrics
+from tandem.telemetry.metrics import Metrics, make_metrics
 from tandem.models import default_served_name, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class RunningGateway:
     _grpc: grpc.aio.Server
     _health: Health
     _monitor_task: asyncio.Task
-    _upstreams: tuple[GrpcTarget, GrpcDraft]
+    _pools: tuple[Pool[GrpcTarget], Pool[GrpcDraft]]
     _stopped: bool = False
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
@@ -89,8 +91,9 @@ class RunningGateway:
         await self.core.drain(grace)
         await asyncio.gather(self._http_task, grpc_stopped, return_exceptions=True)
         await self.core.deps.background.drain()
-        for upstream in self._upstreams:
-            await upstream.close()
+        for pool in self._pools:
+            for member in list(pool.members.values()):
+                await member.client.close()
 
 
 async def start_gateway(
@@ -112,20 +115,20 @@ async def start_gateway(
         max_context_len = await asyncio.to_thread(config_context_len, spec)
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
 
-    target, draft = GrpcTarget(settings.target_address), GrpcDraft(settings.draft_address)
-    breaker = DraftBreaker(BreakerConfig.from_settings(settings))
-    monitor = UpstreamMonitor(target, draft, model, breaker)
+    targets, drafts = _pools(settings)
+    monitor = UpstreamMonitor(targets, drafts, model, settings.resolve_interval_s)
     metrics = make_metrics("gateway")
+    for pool in (targets, drafts):
+        pool.on_sessions = partial(_observe_sessions, metrics, pool.role)
     deps = GenerationDeps(
-        target=target,
-        draft=draft,
+        targets=targets,
+        drafts=drafts,
         model=model,
         policy=SpeculationPolicy(PolicyConfig.from_settings(settings),
                                  TemperaturePrior(on_update=metrics.record_prior)),
         metrics=metrics,
         draft_ready=lambda: monitor.draft_ready,
         default_num_speculative_tokens=settings.num_speculative_tokens,
-        breaker=breaker,
         tuning=SessionTuning.from_settings(settings),
     )
     core = GatewayCore(
@@ -170,7 +173,21 @@ async def start_gateway(
     await monitor.check()
     monitor_task = asyncio.create_task(monitor.watch(health_interval_s))
     return RunningGateway(core, http_port, grpc_port, http, http_task, grpc_server, health, monitor_task,
-                          (target, draft))
+                          (targets, drafts))
+
+
+def _pools(settings: GatewaySettings) -> tuple[Pool[GrpcTarget], Pool[GrpcDraft]]:
+    """The target and draft pools of ``--target-address`` / ``--draft-address`` (ValueError for a
+    malformed list); each draft member has its own circuit breaker."""
+    breaker = BreakerConfig.from_settings(settings)
+    targets = Pool("target", settings.target_address, GrpcTarget, close=GrpcTarget.close)
+    drafts = Pool("draft", settings.draft_address, GrpcDraft, breaker=lambda: DraftBreaker(breaker),
+                  close=GrpcDraft.close)
+    return targets, drafts
+
+
+def _observe_sessions(metrics: Metrics, role: str, member: Member[Any]) -> None:
+    metrics.pool_sessions.labels(role=role, address=member.address).set(member.sessions)
 
 
 def _bind_http_socket(host: str, port: int) -> socket.socket:

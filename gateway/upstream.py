@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import GatewayError, InvalidRequest, Overloaded, UpstreamFailure, UpstreamUnavailable
+from gateway.errors import GatewayError, InvalidRequest, Overloaded, TargetLost, UpstreamFailure, UpstreamUnavailable
 from tandem import telemetry
 from tandem.rpc.endpoints import CHANNEL_OPTIONS
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -46,6 +46,8 @@ class UpstreamStream(Protocol[T_co]):
 
 
 class TargetUpstream(Protocol):
+    async def is_serving(self, timeout: float) -> bool: ...
+
     async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse: ...
 
     def generate(
@@ -59,10 +61,27 @@ class DraftUpstream(Protocol):
     def speculate(self, request: draft_pb2.SpeculateRequest) -> UpstreamStream[draft_pb2.SpeculateResponse]: ...
 
 
+# Trailing metadata a draft adds when a Speculate call failed because of its target.
+FAILED_HOP_KEY = "tandem-failed-hop"
+TARGET_ADDRESS_KEY = "tandem-target-address"
+# The codes that say a session's target is gone (or forgot the session), not that it refused.
+_LOST = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.NOT_FOUND: "session_lost",
+         grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
+
+
 def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> GatewayError:
-    """The client-facing error for an upstream's gRPC status."""
+    """The client-facing error for an upstream's gRPC status. A target that is gone, or a draft
+    that says its target is, gives :class:`TargetLost` (the gateway moves the session)."""
     code, details = error.code(), error.details() or ""
     where = f"the {service} service at {address}"
+    trailing = dict(error.trailing_metadata() or ())
+    if service == "draft" and trailing.get(FAILED_HOP_KEY) == "target" and code in _LOST:
+        target = str(trailing.get(TARGET_ADDRESS_KEY, "?"))
+        return TargetLost(f"the target service at {target} failed under the draft at {address}: {details}",
+                          reason=_LOST[code], address=target)
+    if service == "target" and code in _LOST:
+        return TargetLost(f"{where} is unavailable: {details}" if code != grpc.StatusCode.NOT_FOUND
+                          else f"{where} lost the session: {details}", reason=_LOST[code], address=address)
     if code == grpc.StatusCode.UNAVAILABLE:
         return UpstreamUnavailable(f"{where} is unavailable: {details}", code="upstream_unavailable")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

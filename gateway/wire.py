@@ -45,9 +45,11 @@ def speculate_request(
     num_speculative_tokens: int,
     tokenizer_fingerprint: str,
     max_new_tokens: int,
+    target_address: str = "",
 ) -> draft_pb2.SpeculateRequest:
     return draft_pb2.SpeculateRequest(
         session_id=session_id,
+        target_address=target_address,
         token_ids=token_ids,
         prompt_len=prompt_len,
         params=codecs.session_params_to_wire(params),

@@ -156,8 +156,14 @@ class DraftSettings(_Base):
 class GatewaySettings(_Base):
     target_model: str = _model_field("target_model", DEFAULT_TARGET, "target SPEC (for its tokenizer)")
     served_model_name: str | None = Field(None, description="model id (default: from the SPEC)")
-    target_address: str = Field(f"127.0.0.1:{PORTS['target_grpc']}", description="target gRPC address")
-    draft_address: str = Field(f"127.0.0.1:{PORTS['draft_grpc']}", description="draft gRPC address")
+    target_address: str = Field(
+        f"127.0.0.1:{PORTS['target_grpc']}",
+        description="target pool: gRPC addresses, comma-separated; a DNS name stands for every address it resolves "
+        "to (re-resolved, so the pool can grow and shrink)",
+    )
+    draft_address: str = Field(
+        f"127.0.0.1:{PORTS['draft_grpc']}", description="draft pool: gRPC addresses, as --target-address"
+    )
     http_port: int = Field(PORTS["gateway_http"], description="HTTP port (OpenAI API and /metrics)")
     grpc_port: int = Field(PORTS["gateway_grpc"], description="gRPC port (tandem.v1.GatewayService)")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")
@@ -205,6 +211,20 @@ class GatewaySettings(_Base):
     )
     draft_breaker_cooldown_s: float = Field(2.0, ge=0.0, description="seconds an open draft breaker waits to probe")
     draft_breaker_failures: int = Field(3, ge=1, description="failed Speculate calls in a row that open the breaker")
+    # Pools and failover (gateway.pool, gateway.target_session)
+    target_timeout_s: float = Field(
+        10.0, gt=0.0,
+        description="a target silent this long that also fails a health check this long is taken out of the pool "
+        "and its sessions move to another target",
+    )
+    failover_wait_s: float = Field(
+        60.0, ge=0.0,
+        description="how long a session whose target died waits for a serving target (e.g. the same one "
+        "restarting) before it fails",
+    )
+    resolve_interval_s: float = Field(
+        10.0, gt=0.0, description="seconds between DNS re-resolutions of the pools' names"
+    )
 
 
 class ServeSettings(_Base):
@@ -221,4 +241,6 @@ class ServeSettings(_Base):
     draft_metrics_port: int = Field(PORTS["draft_metrics"], description="draft Prometheus port")
     target_metrics_port: int = Field(PORTS["target_metrics"], description="target Prometheus port")
     ready_timeout_s: float = Field(900.0, description="give up when the stack is not ready by then")
+    targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
+    drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")

@@ -243,6 +243,10 @@ class InMemoryTarget:
     def __init__(self, model: ScriptedModel) -> None:
         self.model = model
         self.streams: list[InMemoryStream] = []
+        self.serving = True  # what its health check answers
+
+    async def is_serving(self, timeout: float) -> bool:
+        return self.serving
 
     async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)

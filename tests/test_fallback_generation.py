@@ -16,6 +16,7 @@ from gateway.events import Finished, TextDelta
 from gateway.deps import GenerationDeps, SessionTuning
 from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
+from gateway.pool import Pool
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
 from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
@@ -41,16 +42,20 @@ def model(tokenizer):
 
 def make_deps(tokenizer, model, draft, *, smoothing=Smoothing.OFF, stall_s=5.0, adaptive=ADAPTIVE):
     return GenerationDeps(
-        target=InMemoryTarget(model),
-        draft=draft,
+        targets=Pool.of("target", {"target": InMemoryTarget(model)}),
+        drafts=Pool.of("draft", {"draft": draft}, breaker=lambda: DraftBreaker(BreakerConfig(cooldown_s=0.0))),
         model=ServedModel("tiny", tokenizer, 128),
         policy=SpeculationPolicy(),
         metrics=make_metrics("gateway"),
         draft_ready=lambda: True,
         default_num_speculative_tokens=K,
         tuning=SessionTuning(smoothing=smoothing, adaptive=adaptive, draft_stall_timeout_s=stall_s),
-        breaker=DraftBreaker(BreakerConfig(cooldown_s=0.0)),
     )
+
+
+def breaker_of(deps):
+    """The breaker of the fixture's one draft."""
+    return deps.drafts.members["draft"].breaker
 
 
 def make_request(tokenizer, speculation=Speculation.AUTO, stop=(), smoothing=None, max_tokens=100):
@@ -172,7 +177,7 @@ async def test_a_lost_verdict_is_recovered_by_a_fresh_session_without_gaps(token
     prefills = [session for name, session in model.rpcs if name == "Prefill"]
     assert len(prefills) == 2  # the resync
     assert set(model.released) == set(prefills) and not model.sessions
-    assert deps.breaker.state is BreakerState.OPEN
+    assert breaker_of(deps).state is BreakerState.OPEN
 
 
 async def test_a_stalled_draft_is_abandoned_after_the_deadline(tokenizer, model):
@@ -208,7 +213,7 @@ async def test_a_draft_waiting_behind_a_busy_target_is_not_a_stalled_draft(token
             helper.cancel()
     assert text == SCRIPT_TEXT and tokens == model.expected_tokens(1000)
     assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == 0
-    assert deps.breaker.state is BreakerState.CLOSED
+    assert breaker_of(deps).state is BreakerState.CLOSED
 
 
 @pytest.mark.parametrize(("pause_s", "stalled"), [(0.2, False), (1.0, True)], ids=["slow start", "dead at start"])
@@ -221,7 +226,7 @@ async def test_a_calls_first_round_may_take_up_to_the_cap(tokenizer, model, paus
     text, tokens, finished, _ = await run(deps, make_request(tokenizer))
     assert text == SCRIPT_TEXT and tokens == model.expected_tokens(1000)
     assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == int(stalled)
-    assert (deps.breaker.state is BreakerState.CLOSED) is not stalled
+    assert (breaker_of(deps).state is BreakerState.CLOSED) is not stalled
 
 
 def test_silence_is_explained_by_recent_rounds_or_prefills_only(tokenizer, model) -> None:
@@ -241,7 +246,7 @@ async def test_the_same_silence_with_nothing_else_going_on_is_a_stall(tokenizer,
     _, tokens, _, _ = await run(deps, make_request(tokenizer))
     assert tokens == model.expected_tokens(1000)
     assert sample(deps, "tandem_session_fallbacks_total", reason="draft_unavailable") == 1
-    assert deps.breaker.state is BreakerState.OPEN
+    assert breaker_of(deps).state is BreakerState.OPEN
 
 
 async def test_a_draft_stalled_for_one_session_is_abandoned_at_the_cap_however_busy(tokenizer, model):
@@ -264,16 +269,16 @@ async def test_the_open_breaker_starts_new_sessions_in_fallback_until_the_draft_
     # busy machine the recovered session's rounds could look slower and switch it over ("mixed").
     deps = make_deps(tokenizer, model, draft, adaptive=dataclasses.replace(ADAPTIVE, enabled=False))
     await run(deps, make_request(tokenizer))
-    assert deps.breaker.state is BreakerState.OPEN
+    assert breaker_of(deps).state is BreakerState.OPEN
     requests_before = len(draft.requests)
     _, _, finished, _ = await run(deps, make_request(tokenizer))
     assert finished.usage.speculative_decoding.mode == "autoregressive"
     assert len(draft.requests) == requests_before  # the draft was not even tried
     draft.lose_after = None
-    deps.breaker.probe(True)  # the monitor's health probe sees it serving again
+    breaker_of(deps).probe(True)  # the monitor's health probe sees it serving again
     text, _, finished, _ = await run(deps, make_request(tokenizer))
     assert text == SCRIPT_TEXT and finished.usage.speculative_decoding.mode == "speculative"
-    assert deps.breaker.state is BreakerState.CLOSED
+    assert breaker_of(deps).state is BreakerState.CLOSED
 
 
 async def test_speculation_on_never_switches(tokenizer, model):

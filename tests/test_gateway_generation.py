@@ -10,6 +10,7 @@ from gateway.counters import SessionCounters
 from gateway.deps import GenerationDeps
 from gateway.generation import Generation
 from gateway.policy import Mode, SpeculationPolicy
+from gateway.pool import Pool
 from gateway.request import GenerationRequest, SamplingParams, Speculation
 from gateway.served_model import ServedModel
 from tandem.telemetry.metrics import make_metrics
@@ -32,8 +33,8 @@ def model(tokenizer):
 
 def make_deps(tokenizer, model, *, draft=None, target=None, draft_ready=True):
     return GenerationDeps(
-        target=target or InMemoryTarget(model),
-        draft=draft or InMemoryDraft(model),
+        targets=Pool.of("target", {"target": target or InMemoryTarget(model)}),
+        drafts=Pool.of("draft", {"draft": draft or InMemoryDraft(model)}),
         model=ServedModel("tiny", tokenizer, 128),
         policy=SpeculationPolicy(),
         metrics=make_metrics("gateway"),

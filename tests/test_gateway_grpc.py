@@ -197,7 +197,7 @@ async def test_stopping_the_gateway_ends_streams_with_unavailable(tokenizer, tin
 async def test_health_follows_the_draft_coming_back(tokenizer, tiny_dir):
     # A periodic check far in the future: readiness must come from the check /health makes.
     async with fake_stack(tokenizer, str(tiny_dir), draft_up=False, health_interval_s=600) as stack:
-        draft_port = int(stack.gateway.core.monitor.draft.address.rsplit(":", 1)[1])
+        draft_port = int(stack.gateway.core.monitor.drafts.spec.rsplit(":", 1)[1])
         async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
             health = health_pb2_grpc.HealthStub(ch)
             check = health_pb2.HealthCheckRequest(service="tandem.v1.GatewayService")

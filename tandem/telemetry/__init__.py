@@ -14,7 +14,7 @@ from tandem.telemetry.propagation import (
     run_in_context,
     server_interceptors,
 )
-from tandem.telemetry.spans import GenerationSpan, RoundEvents, record_mode_switch
+from tandem.telemetry.spans import GenerationSpan, RoundEvents, record_failover, record_mode_switch
 from tandem.telemetry.tracing import (
     TRACER_NAME,
     TracingDecision,
@@ -29,6 +29,6 @@ from tandem.telemetry.tracing import (
 
 __all__ = [
     "TRACER_NAME", "ClientCall", "GenerationSpan", "RoundEvents", "TracingDecision", "TracingServerInterceptor",
-    "client_call", "context_from_metadata", "decide", "enabled", "full_method", "install", "record_mode_switch",
+    "client_call", "context_from_metadata", "decide", "enabled", "full_method", "install", "record_failover", "record_mode_switch",
     "run_in_context", "server_interceptors", "setup_tracing", "shutdown_tracing", "tracer", "uninstall",
 ]

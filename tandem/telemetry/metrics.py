@@ -34,6 +34,8 @@ class Metrics:
     sessions_active: Gauge
     speculation_prior: Gauge
     requests: Counter
+    session_failovers: Counter
+    pool_sessions: Gauge
 
     def record_round(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Counts one speculation round and refreshes the running acceptance rate."""
@@ -126,6 +128,16 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
             registry=reg,
         ),
         requests=Counter("tandem_requests", "Requests finished, by status", ["status"], registry=reg),
+        session_failovers=Counter(
+            "tandem_session_failovers",
+            "Sessions moved to another target because theirs died, hung or lost them (gateway.target_session)",
+            ["reason"],
+            registry=reg,
+        ),
+        pool_sessions=Gauge(
+            "tandem_pool_sessions", "Sessions (targets) or speculative legs (drafts) this gateway placed on each "
+            "pool member", ["role", "address"], registry=reg,
+        ),
     )
 
 

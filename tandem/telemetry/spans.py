@@ -135,6 +135,17 @@ def record_mode_switch(mode: str, reason: str | None, completion_tokens: int) ->
     span.add_event("tandem.session.fallback" if reason else "tandem.session.speculation_resumed", attributes)
 
 
+def record_failover(reason: str, from_address: str, to_address: str, completion_tokens: int) -> None:
+    """A session moved to another target (``tandem.session.failover``) as an event on the current
+    (request) span. No-op when the request is not traced."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event("tandem.session.failover", {
+            "tandem.failover.reason": reason, "tandem.failover.from": from_address,
+            "tandem.failover.to": to_address, "tandem.completion_tokens": completion_tokens,
+        })
+
+
 class GenerationSpan:
     """The gateway's SERVER span of one generation request, named ``{operation} {model}`` with the
     GenAI semantic-convention attributes.

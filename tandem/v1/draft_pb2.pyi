@@ -12,21 +12,23 @@ class DraftServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftServiceInfoResponse(_message.Message):
-    __slots__ = ("proposer", "model_name", "tokenizer_fingerprint", "num_speculative_tokens", "target_model_name")
+    __slots__ = ("proposer", "model_name", "tokenizer_fingerprint", "num_speculative_tokens", "target_model_name", "active_sessions")
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     proposer: str
     model_name: str
     tokenizer_fingerprint: str
     num_speculative_tokens: int
     target_model_name: str
-    def __init__(self, proposer: _Optional[str] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., target_model_name: _Optional[str] = ...) -> None: ...
+    active_sessions: int
+    def __init__(self, proposer: _Optional[str] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., target_model_name: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "prompt_len", "params", "num_speculative_tokens", "tokenizer_fingerprint", "max_new_tokens")
+    __slots__ = ("session_id", "token_ids", "prompt_len", "params", "num_speculative_tokens", "tokenizer_fingerprint", "max_new_tokens", "target_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +36,7 @@ class SpeculateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
@@ -41,7 +44,8 @@ class SpeculateRequest(_message.Message):
     num_speculative_tokens: int
     tokenizer_fingerprint: str
     max_new_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    target_address: str
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., target_address: _Optional[str] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
     __slots__ = ("token_ids", "committed_len", "finish_reason", "num_draft_tokens", "num_accepted", "round_seconds", "verify_seconds", "num_draft_positions")

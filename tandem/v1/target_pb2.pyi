@@ -24,7 +24,7 @@ class TargetServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetServiceInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "dtype", "device", "max_context_len", "eos_token_ids", "hidden_size", "verifier_backend")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "dtype", "device", "max_context_len", "eos_token_ids", "hidden_size", "verifier_backend", "active_sessions", "kv_free_tokens", "kv_capacity_tokens", "queued_passes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,10 @@ class TargetServiceInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PASSES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -43,7 +47,11 @@ class TargetServiceInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
     verifier_backend: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., verifier_backend: _Optional[str] = ...) -> None: ...
+    active_sessions: int
+    kv_free_tokens: int
+    kv_capacity_tokens: int
+    queued_passes: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., verifier_backend: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queued_passes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "params", "tokenizer_fingerprint", "return_hidden_states")
