@@ -231,7 +231,8 @@ class Generation:
                     # Another draft of the pool takes the session on, from exactly what the client has.
                     self._legs.avoid_draft = frozenset({failed.member.address})
                     yield await self._session.resync(self._output.completion,
-                                                     f"the draft at {failed.member.address} {failed.failure.value}")
+                                                     f"the draft at {failed.member.address} {failed.failure.value}",
+                                                     mode=None)
                     continue
                 if self.request.speculation is not Speculation.AUTO or not failed.recoverable:
                     log.warning("session %s: the draft %s (%s); not recovered (speculation %r)", self.session_id,

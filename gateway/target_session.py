@@ -99,9 +99,10 @@ class TargetSession:
             self.may_hold = False
             raise
 
-    async def resync(self, completion: Sequence[int], why: str) -> Batch:
+    async def resync(self, completion: Sequence[int], why: str, mode: Mode | None = Mode.AUTOREGRESSIVE) -> Batch:
         """Continues in a fresh session on the same target, prefilled with exactly the tokens the
-        client has."""
+        client has. ``mode``: what the prefill's token counts as in the usage (None: nothing,
+        when the session keeps its mode)."""
         if self.resyncs >= MAX_RESYNCS:
             raise UpstreamFailure(f"session {self.session_id} lost step with the target {self.resyncs} times: {why}",
                                   code="upstream_error")
@@ -111,7 +112,7 @@ class TargetSession:
                     old, why, self.session_id, len(completion))
         self._deps.background.spawn(self._release(self.target, old))
         try:
-            return await self._prefill((*self._request.prompt_token_ids, *completion), mode=Mode.AUTOREGRESSIVE)
+            return await self._prefill((*self._request.prompt_token_ids, *completion), mode=mode)
         except TargetLost as lost:
             return await self.failover(completion, lost)
 
@@ -138,9 +139,8 @@ class TargetSession:
                         "so far", old, lost.message, self.session_id, self.address, len(completion))
             telemetry.record_failover(lost.reason, old_address, self.address, len(completion))
             self.may_hold = True
-            try:
-                return await self._prefill((*self._request.prompt_token_ids, *completion),
-                                           mode=None if not completion else Mode.AUTOREGRESSIVE)
+            try:  # the session keeps its mode: the prefill's token counts as none
+                return await self._prefill((*self._request.prompt_token_ids, *completion), mode=None)
             except TargetLost as again:
                 lost = again
 

@@ -1,20 +1,27 @@
-"""``tandem serve``: target, draft and gateway as three child processes talking gRPC on loopback.
+"""``tandem serve``: target, draft and gateway as child processes talking gRPC on loopback.
 
-The supervisor prepares the models once (a GGUF is converted before any child starts, so the
-children do not race to convert it), starts the children, waits until every one reports SERVING
-over gRPC health and prints the URLs. From then on a child that exits is started again with its
+``--targets N --drafts M`` (default 1 and 1) runs N targets and M drafts besides the one gateway;
+their names, ports (target i on ``--target-port`` + 2*i, draft j on ``--draft-port`` + 2*j, the
+metrics ports alike) and command lines are :mod:`tandem.fleet`'s. Every draft and the gateway are
+told every target's address, the gateway every draft's.
+
+The supervisor prepares the models once for the whole fleet (a GGUF is converted before any child
+starts, so the children do not race to convert it), starts the children, waits until every one
+reports SERVING over gRPC health and prints the URLs (:func:`tandem.fleet.ready_block`). From then on a child that exits is started again with its
 own command line after a delay that doubles with each restart (:class:`Backoff`, reset once the
 child has stayed up a while), while the others keep serving: the gateway answers 503 for what
 needs the missing service and resumes when it is back. Each restart is logged, and the restarted
 service reports how many there were in ``tandem_process_restarts``. A child that dies before the
 stack is ready stops it (a port in use or a bad model would only fail again). Ctrl-C / SIGTERM stop
-every child in order: gateway, draft, target.
+every child in order: gateway, then the drafts, then the targets (each role's children together).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +31,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem import models
+from tandem import fleet, models
 from tandem.config import ServeSettings
+from tandem.fleet import Fleet, FleetError, connect_host  # noqa: F401 (connect_host: re-exported)
 from tandem.telemetry.metrics import RESTARTS_ENV
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,11 @@ class Child:
     restart_at: float | None = None  # when a child that exited is due to start again
     backoff: Backoff = field(default_factory=Backoff, repr=False)
 
+    @property
+    def role(self) -> str:
+        """``target-1`` -> ``target``: the children stopped together."""
+        return re.sub(r"-\d+$", "", self.name)
+
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
@@ -73,41 +86,11 @@ class Child:
         self.started_at, self.restart_at = time.monotonic(), None
 
 
-def connect_host(host: str) -> str:
-    """Where to reach a server bound to ``host`` from this machine."""
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
-
-
-def child_commands(s: ServeSettings) -> list[Child]:
-    """The three services with flags derived from the serve settings (start order: target first)."""
-    py = [sys.executable, "-m", "tandem.cli"]
-    near = connect_host(s.host)
-    common = ["--host", s.host, "--log-level", s.log_level]
-    device = ["--device", s.device, "--dtype", s.dtype]
-    served = ["--served-model-name", s.served_model_name] if s.served_model_name else []
-    target = Child(
-        "target",
-        [*py, "target", *common, *device, *served, "--target-model", s.target_model,
-         "--port", str(s.target_port), "--metrics-port", str(s.target_metrics_port)],
-        f"{near}:{s.target_port}",
-    )
-    draft = Child(
-        "draft",
-        [*py, "draft", *common, *device, "--draft-model", models.resolve_draft_spec(s.draft_model, s.target_model),
-         "--target-model", s.target_model,
-         "--target-address", f"{near}:{s.target_port}", "--port", str(s.draft_port),
-         "--metrics-port", str(s.draft_metrics_port), "--num-speculative-tokens", str(s.num_speculative_tokens)],
-        f"{near}:{s.draft_port}",
-    )
-    gateway = Child(
-        "gateway",
-        [*py, "gateway", *common, *served, "--target-model", s.target_model,
-         "--target-address", f"{near}:{s.target_port}", "--draft-address", f"{near}:{s.draft_port}",
-         "--http-port", str(s.http_port), "--grpc-port", str(s.grpc_port),
-         "--num-speculative-tokens", str(s.num_speculative_tokens), "--stream-smoothing", s.stream_smoothing],
-        f"{near}:{s.grpc_port}",
-    )
-    return [target, draft, gateway]
+def child_commands(s: ServeSettings, planned: Fleet | None = None) -> list[Child]:
+    """The children with flags derived from the serve settings, in start order: targets, drafts,
+    gateway (names, ports and command lines: :mod:`tandem.fleet`)."""
+    planned = fleet.plan(s) if planned is None else planned
+    return [Child(name, argv, health) for name, argv, health in fleet.commands(s, planned)]
 
 
 def is_serving(address: str, timeout: float = 2.0) -> bool:
@@ -121,8 +104,10 @@ def is_serving(address: str, timeout: float = 2.0) -> bool:
 
 class Supervisor:
     def __init__(self, settings: ServeSettings, children: list[Child] | None = None) -> None:
+        """Plans the fleet's ports first: raises :class:`FleetError` for a fleet that cannot start."""
         self.settings = settings
-        self.children = child_commands(settings) if children is None else children
+        self.fleet = fleet.plan(settings)
+        self.children = child_commands(settings, self.fleet) if children is None else children
         self._stopping = False
 
     def prepare_models(self) -> None:
@@ -159,21 +144,7 @@ class Supervisor:
         return True
 
     def print_urls(self) -> None:
-        s = self.settings
-        near = connect_host(s.host)
-        print(
-            "\ntandem is ready\n"
-            f"  OpenAI API    http://{near}:{s.http_port}/v1   (model: "
-            f"{s.served_model_name or models.default_served_name(s.target_model)})\n"
-            f"  gateway gRPC  {near}:{s.grpc_port}   (tandem.v1.GatewayService)\n"
-            f"  draft gRPC    {near}:{s.draft_port}   "
-            f"({models.resolve_draft_spec(s.draft_model, s.target_model)}, K={s.num_speculative_tokens})\n"
-            f"  target gRPC   {near}:{s.target_port}\n"
-            f"  metrics       http://{near}:{s.http_port}/metrics  http://{near}:{s.draft_metrics_port}/metrics"
-            f"  http://{near}:{s.target_metrics_port}/metrics\n"
-            "Press Ctrl-C to stop.\n",
-            flush=True,
-        )
+        print(fleet.ready_block(self.settings, self.fleet), flush=True)
 
     def watch(self, poll_s: float = 0.2) -> int:
         """Restarts children that exit, each after its backoff, until a stop is requested."""
@@ -199,12 +170,16 @@ class Supervisor:
         self._stopping = True
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """Gateway first (no new requests), then draft, then target."""
-        for child in reversed(self.children):
-            if child.process is not None and child.process.poll() is None:
+        """Gateway first (no new requests), then the drafts, then the targets: each role's children
+        are signalled together and given ``grace_s`` together before the next role's."""
+        for _, group in itertools.groupby(reversed(self.children), key=lambda c: c.role):
+            running = [c for c in group if c.process is not None and c.process.poll() is None]
+            for child in running:
                 child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in running:
                 try:
-                    child.process.wait(timeout=grace_s)
+                    child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     log.warning("%s did not stop in %.0fs; killing it", child.name, grace_s)
                     child.process.kill()
@@ -212,7 +187,12 @@ class Supervisor:
 
 
 def serve(settings: ServeSettings) -> int:
-    supervisor = Supervisor(settings)
+    try:
+        supervisor = Supervisor(settings)
+    except FleetError as refused:
+        log.error("tandem serve: %s", refused)
+        print(f"tandem serve: {refused}", file=sys.stderr, flush=True)
+        return 2
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     try:

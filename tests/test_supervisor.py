@@ -8,8 +8,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tandem.config import ServeSettings
-from tandem.supervisor import Backoff, Child, Supervisor
+from tandem.supervisor import Backoff, Child, Supervisor, child_commands
 from tandem.telemetry.metrics import RESTARTS_ENV, make_metrics
 
 
@@ -64,7 +66,7 @@ def test_the_restart_delay_grows_between_crashes(tmp_path: Path) -> None:
     crashing.process.wait()
     later = time.monotonic()
     supervisor.restart_exited(later)
-    assert crashing.restart_at - later == 2 * first
+    assert crashing.restart_at - later == pytest.approx(2 * first)  # float sums of time.monotonic()
     supervisor.stop(grace_s=5)
 
 
@@ -78,3 +80,40 @@ def test_a_service_reports_how_often_it_was_restarted(monkeypatch) -> None:
     assert restarts(make_metrics("target")) == 3
     monkeypatch.setenv(RESTARTS_ENV, "garbage")
     assert restarts(make_metrics("target")) == 0
+
+
+def test_a_fleet_is_supervised_child_by_child() -> None:
+    supervisor = Supervisor(ServeSettings(targets=3, drafts=2))
+    assert [c.name for c in supervisor.children] == ["target-0", "target-1", "target-2", "draft-0", "draft-1", "gateway"]
+    assert [c.role for c in supervisor.children] == ["target"] * 3 + ["draft"] * 2 + ["gateway"]
+    assert len({id(c.backoff) for c in supervisor.children}) == 6  # each its own backoff
+    assert [m.port for m in supervisor.fleet.targets] == [50053, 50055, 50057]  # what the ready block prints
+    assert [c.name for c in child_commands(ServeSettings())] == ["target", "draft", "gateway"]
+
+
+def _stopping_child(name: str, record: Path) -> Child:
+    """Marks itself up, then on SIGTERM writes its name to ``record`` and exits."""
+    script = (
+        "import signal, sys, time\n"
+        f"def bye(*_):\n    open({str(record)!r}, 'a').write({name!r} + '\\n'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        f"open({str(record)!r} + '.up', 'a').write('x')\n"
+        "while True: time.sleep(0.01)\n"
+    )
+    return Child(name, [sys.executable, "-c", script], "")
+
+
+def test_stop_takes_the_gateway_then_the_drafts_then_the_targets(tmp_path: Path) -> None:
+    record = tmp_path / "stopped.txt"
+    names = ["target-0", "target-1", "draft-0", "draft-1", "gateway"]
+    supervisor = Supervisor(ServeSettings(), children=[_stopping_child(n, record) for n in names])
+    supervisor.start()
+    up = Path(str(record) + ".up")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not up.exists() or len(up.read_text()) < len(names)):
+        time.sleep(0.02)
+    supervisor.stop(grace_s=10)
+    stopped = record.read_text().split()
+    assert stopped[0] == "gateway"
+    assert sorted(stopped[1:3]) == ["draft-0", "draft-1"] and sorted(stopped[3:]) == ["target-0", "target-1"]
+    assert all(c.exited() == 0 for c in supervisor.children)
