@@ -6,6 +6,10 @@ when to ``Release`` the target session: only when the caller abandoned the strea
 disconnect, cancellation). A loop that finished needs no release (the target frees finished
 sessions), and a loop that failed must leave the target session alone so the caller can fall back
 to the target's Generate and continue it without losing a token.
+
+The draft may front a pool of targets: each call's Verify stream and Release go to the target the
+call names (``SessionSpec.target_address``), and a parked proposer session resumes only on the
+target it was parked from.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import FinishReason, RoundResult, SamplingParams, SessionSpec, TargetInfo
-from tandem.telemetry.metrics import Metrics
 from tandem.models.worker import ModelWorker
+from tandem.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +49,24 @@ class VerifyStream(BlockVerifier, Protocol):
 
 
 class TargetPort(Protocol):
-    """The target operations the engine needs (``target_client.TargetClient`` in production)."""
+    """The operations on one target the engine needs (``target_client.TargetClient`` in production)."""
 
     def open_verify_stream(self, session_id: str) -> VerifyStream: ...
 
     async def release(self, session_id: str) -> bool: ...
+
+
+class TargetPool(Protocol):
+    """The draft's targets (``targets.TargetRouter`` in production): a session's requests all go
+    to the target its Speculate request names."""
+
+    def address_of(self, address: str) -> str:
+        """The target a request's ``target_address`` stands for ("" = the pool's default)."""
+        ...
+
+    async def client(self, address: str) -> TargetPort:
+        """That target's port; raises UnknownTargetError (an InvalidRequestError) for a non-member."""
+        ...
 
 
 @dataclass
@@ -57,6 +74,7 @@ class _Parked:
     """A proposer session kept between two Speculate calls of one target session."""
 
     session: ProposerSession
+    target_address: str  # the target the session was verified by (a resumed call must name the same)
     token_ids: tuple[int, ...]  # the committed sequence it stands for, pending commit included
     sampling: SamplingParams
     pending_commit: PendingCommit | None
@@ -74,7 +92,7 @@ class DraftEngine:
     def __init__(
         self,
         proposer: Proposer,
-        target: TargetPort,
+        targets: TargetPool,
         target_info: TargetInfo,
         worker: ModelWorker,
         metrics: Metrics,
@@ -88,11 +106,12 @@ class DraftEngine:
     ) -> None:
         """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
         session's next Speculate call (see :meth:`speculate`). ``block_lengths``: cuts every
-        session's proposals to the length that pays best (None: they go whole)."""
+        session's proposals to the length that pays best (None: they go whole). ``target_info``:
+        of the target checked at start-up, standing for every target of the pool."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
-        self._target = target
+        self._targets = targets
         self._worker = worker
         self._metrics = metrics
         self._release_timeout_s = release_timeout_s
@@ -108,6 +127,10 @@ class DraftEngine:
     def active_sessions(self) -> list[str]:
         return list(self._sessions)
 
+    def target_address_of(self, spec: SessionSpec) -> str:
+        """The address of the target that holds ``spec``'s session (the pool's default for "")."""
+        return self._targets.address_of(spec.target_address)
+
     async def speculate(self, spec: SessionSpec) -> AsyncIterator[RoundResult]:
         """Runs a validated session to its end, yielding each round's committed tokens.
 
@@ -121,6 +144,9 @@ class DraftEngine:
         the eagle head has no feature until a verdict brings one, so its first block is empty.
         """
         self._check_fingerprint(spec)
+        # Before any state: a target outside the pool is refused at no cost (UnknownTargetError).
+        target = await self._targets.client(spec.target_address)
+        target_address = self.target_address_of(spec)
         if spec.session_id in self._sessions:
             raise SessionBusyError(f"session {spec.session_id!r} already has a Speculate call running")
         self._sessions[spec.session_id] = spec
@@ -133,10 +159,10 @@ class DraftEngine:
         committed = list(spec.token_ids)
         finish_reason = FinishReason.NONE
         try:
-            proposer_session, pending_commit, acceptance = self._resume(spec)
+            proposer_session, pending_commit, acceptance = self._resume(spec, target_address)
             if proposer_session is None:
                 proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
-            stream = self._target.open_verify_stream(spec.session_id)
+            stream = target.open_verify_stream(spec.session_id)
             loop = SpeculationLoop(
                 spec,
                 proposer_session,
@@ -171,7 +197,9 @@ class DraftEngine:
             gauge.dec()
             if proposer_session is not None:
                 if outcome is _Outcome.COMPLETED and finish_reason is FinishReason.NONE and loop is not None:
-                    self._park(spec, proposer_session, tuple(committed), loop.pending_commit, loop.acceptance)
+                    self._park(
+                        spec, target_address, proposer_session, tuple(committed), loop.pending_commit, loop.acceptance
+                    )
                 else:
                     # Queued behind a proposal that may still run for this session on the model thread.
                     self._worker.submit(proposer_session.close)
@@ -183,16 +211,22 @@ class DraftEngine:
             # A consumer that stops listening after the verdict that finished the session abandoned
             # nothing: the target has freed it already.
             if outcome is _Outcome.ABANDONED and finish_reason is FinishReason.NONE:
-                self._release_later(spec.session_id)
+                self._release_later(target, spec.session_id)
 
     def _resume(
-        self, spec: SessionSpec
+        self, spec: SessionSpec, target_address: str
     ) -> tuple[ProposerSession | None, PendingCommit | None, AcceptanceTally | None]:
         """The session's parked proposer session, its pending verdict and its acceptance record,
-        when it stands for exactly the committed sequence (and sampling) of this call; Nones otherwise."""
+        when it stands for exactly the committed sequence (and sampling) of this call, on the same
+        target; Nones otherwise."""
         self._expire_parked()
         parked = self._parked.pop(spec.session_id, None)
         if parked is None:
+            return None, None, None
+        if parked.target_address != target_address:
+            # The session moved to another target (its first died): nothing parked is known to hold there.
+            log.debug("session %r moved from target %s to %s", spec.session_id, parked.target_address, target_address)
+            self._worker.submit(parked.session.close)
             return None, None, None
         if parked.token_ids != tuple(spec.token_ids) or parked.sampling != spec.sampling:
             # Tokens were committed meanwhile by someone else (the target's Generate): start afresh.
@@ -204,13 +238,14 @@ class DraftEngine:
     def _park(
         self,
         spec: SessionSpec,
+        target_address: str,
         session: ProposerSession,
         token_ids: tuple[int, ...],
         pending_commit: PendingCommit | None,
         acceptance: AcceptanceTally | None = None,
     ) -> None:
         self._parked[spec.session_id] = _Parked(
-            session, token_ids, spec.sampling, pending_commit, self._clock(), acceptance
+            session, target_address, token_ids, spec.sampling, pending_commit, self._clock(), acceptance
         )
         self._parked.move_to_end(spec.session_id)
         while len(self._parked) > self._max_parked:
@@ -243,15 +278,15 @@ class DraftEngine:
                 f"but target {self.target_info.model_name!r} has {expected}"
             )
 
-    def _release_later(self, session_id: str) -> None:
+    def _release_later(self, target: TargetPort, session_id: str) -> None:
         # A task of its own: the handler that noticed the abandonment is being cancelled itself.
-        task = asyncio.get_running_loop().create_task(self._release(session_id))
+        task = asyncio.get_running_loop().create_task(self._release(target, session_id))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _release(self, session_id: str) -> None:
+    async def _release(self, target: TargetPort, session_id: str) -> None:
         try:
-            await asyncio.wait_for(self._target.release(session_id), self._release_timeout_s)
+            await asyncio.wait_for(target.release(session_id), self._release_timeout_s)
             log.info("released abandoned session %r in the target", session_id)
         except Exception as exc:  # noqa: BLE001 (the target's TTL frees it eventually)
             log.warning("could not release session %r in the target: %r", session_id, exc)

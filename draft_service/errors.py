@@ -7,6 +7,11 @@ class InvalidRequestError(ValueError):
     """A Speculate request that can never succeed (INVALID_ARGUMENT)."""
 
 
+class UnknownTargetError(InvalidRequestError):
+    """A Speculate request naming a target the draft was not started with (INVALID_ARGUMENT): the
+    draft connects only to its configured pool, never to an address a caller makes up."""
+
+
 class TokenizerMismatchError(RuntimeError):
     """Draft and target (or caller) tokenizers differ: token ids would mean different text.
 
@@ -31,7 +36,7 @@ class ProtocolError(RuntimeError):
 
 
 class TargetUnavailableError(RuntimeError):
-    """The target did not become SERVING in time (start-up only)."""
+    """No target of the pool became SERVING in time (start-up only)."""
 
 
 class IncompatibleDraftError(RuntimeError):

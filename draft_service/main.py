@@ -1,10 +1,11 @@
 """Starting and stopping the draft service: ``run`` for the ``tandem draft`` process,
 ``start_draft`` for in-process use (tests, embedding).
 
-Start-up order: bind gRPC with health NOT_SERVING, wait until the target is SERVING (so draft and
-target may start in any order), read its Info, build the proposer (an eagle head is checked
-against the target's Info before its tensors load), refuse a draft whose tokenizer differs from
-the target's, warm the proposer up, then report SERVING.
+Start-up order: bind gRPC with health NOT_SERVING, wait until any target of the pool is SERVING
+(so drafts and targets may start in any order), read its Info, build the proposer (an eagle head
+is checked against the target's Info before its tensors load), refuse a draft whose tokenizer
+differs from the target's, warm the proposer up, then report SERVING. The targets of one pool
+serve one model, so the first one up stands for all of them (a gateway checks each it uses).
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from draft_service.engine import DraftEngine
 from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
 from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
-from draft_service.target_client import TargetClient
+from draft_service.targets import TargetRouter
 from draft_service.types import TargetInfo
 from tandem import telemetry
 from tandem.config import DEFAULT_K, DraftSettings
+from tandem.models import ModelSpecError
 from tandem.models.eagle import EagleCheckpointError
+from tandem.models.worker import ModelWorker
+from tandem.rpc import addresses
 from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
 from tandem.telemetry.logs import setup_logging
 from tandem.telemetry.metrics import Metrics, make_metrics, serve_metrics
-from tandem.models.worker import ModelWorker
-from tandem.models import ModelSpecError
 from tandem.v1 import draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class RunningDraft:
     port: int
     server: grpc.aio.Server
     engine: DraftEngine
-    target: TargetClient
+    targets: TargetRouter
     worker: ModelWorker
     health: Health
 
@@ -56,7 +58,7 @@ class RunningDraft:
         await self.health.not_serving()
         await self.server.stop(grace_s)  # cancels running Speculate calls after the grace period
         await self.engine.aclose()  # lets the releases of cancelled sessions reach the target
-        await self.target.close()
+        await self.targets.close()
         await asyncio.to_thread(self.worker.shutdown)
 
 
@@ -84,9 +86,12 @@ async def start_draft(
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
-    Raises TokenizerMismatchError, TargetUnavailableError (after ``target_wait_s``; None waits
-    forever) or the proposer's loading error, after stopping what it had started.
+    ``target_address``: the pool, "host:port,..." (DNS names stand for all their addresses).
+    Raises ValueError for a malformed list, TokenizerMismatchError, TargetUnavailableError (after
+    ``target_wait_s``; None waits forever) or the proposer's loading error, after stopping what it
+    had started.
     """
+    targets = TargetRouter(target_address)
     server = make_server(telemetry.server_interceptors([telemetry.full_method(SERVICE_NAME, "Speculate")]))
     servicer = DraftServicer()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
@@ -95,17 +100,17 @@ async def start_draft(
     bound_port = bind(server, host, port)
     await health.not_serving()
     await server.start()
-    target = TargetClient(target_address)
     worker = ModelWorker("draft-model")
     try:
-        await target.wait_until_serving(target_wait_s)
-        target_info = await target.info()
+        first = await targets.wait_for_any(target_wait_s)
+        log.info("target pool %s: %s is SERVING; checking this draft against it", target_address, first.address)
+        target_info = await first.info()
         proposer = await worker.run(proposer_factory, target_info)
         check_tokenizers(proposer, target_info)
         await worker.run(proposer.warm_up)
         engine = DraftEngine(
             proposer,
-            target,
+            targets,
             target_info,
             worker,
             metrics if metrics is not None else make_metrics("draft"),
@@ -116,20 +121,21 @@ async def start_draft(
         await health.serving()
     except BaseException:
         await server.stop(None)
-        await target.close()
+        await targets.close()
         worker.shutdown(wait=False)
         raise
     log.info(
-        "draft service (%s%s) serving on %s:%d, target %r at %s; blocks: %s",
+        "draft service (%s%s) serving on %s:%d, target %r; target pool: %s (default %s); blocks: %s",
         proposer.kind,
         f" {proposer.model_name}" if proposer.model_name else "",
         host,
         bound_port,
         target_info.model_name,
-        target_address,
+        ", ".join(targets.allowed),
+        targets.default,
         proposer.block_shape,
     )
-    return RunningDraft(bound_port, server, engine, target, worker, health)
+    return RunningDraft(bound_port, server, engine, targets, worker, health)
 
 
 def limit_torch_threads(threads: int) -> None:
@@ -156,6 +162,10 @@ def run(settings: DraftSettings) -> None:
     """
     if not logging.getLogger().handlers:  # ``tandem draft`` has set it up already
         setup_logging("draft", settings.log_level)
+    try:
+        addresses.parse(settings.target_address, "--target-address")
+    except ValueError as exc:
+        raise SystemExit(f"tandem draft: {exc}") from exc
     limit_torch_threads(settings.torch_threads)
     telemetry.setup_tracing("draft")
     try:

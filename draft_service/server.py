@@ -1,6 +1,11 @@
 """gRPC wiring of ``tandem.v1.DraftService``: proto in, engine, proto out, errors to status codes.
 
 Nothing here decides anything about speculation; see ``engine.py`` and ``loop.py``.
+
+A call that fails because of its target (the target's own status, passed through, or a verdict
+that breaks the Verify contract) carries trailing metadata saying so: ``tandem-failed-hop:
+target`` and ``tandem-target-address: host:port``. A gateway in front of pools tells a dead target
+(move the session to another target) from a dead draft (move it to another draft) by them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from draft_service.engine import DraftEngine
 from draft_service.errors import (
     DivergedError,
     InvalidRequestError,
+    ProtocolError,
     SessionBusyError,
     TokenizerMismatchError,
 )
@@ -26,7 +32,13 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name  # "tandem.v1.DraftService"
 
-_STATUS_OF = {
+#: Trailing metadata of a Speculate call failed by its target: the hop that failed, and which target.
+FAILED_HOP_KEY = "tandem-failed-hop"
+FAILED_HOP_TARGET = "target"
+TARGET_ADDRESS_KEY = "tandem-target-address"
+
+_STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,  # UnknownTargetError: the target named is no member
     TokenizerMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     SessionBusyError: grpc.StatusCode.ALREADY_EXISTS,
     DivergedError: grpc.StatusCode.ABORTED,
@@ -51,6 +63,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tokenizer_fingerprint=engine.proposer.tokenizer_fingerprint,
             num_speculative_tokens=engine.default_k,
             target_model_name=engine.target_info.model_name,
+            active_sessions=len(engine.active_sessions),
         )
 
     async def Speculate(self, request: draft_pb2.SpeculateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -76,14 +89,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return
         except grpc.aio.AioRpcError as exc:  # the target's error, passed through unchanged
             code, details = exc.code(), exc.details() or ""
-        except (TokenizerMismatchError, SessionBusyError, DivergedError) as exc:
-            code, details = _STATUS_OF[type(exc)], str(exc)
+            trailers = _target_failed(engine.target_address_of(spec))
+        except ProtocolError as exc:  # the target broke the Verify contract
+            log.error("Speculate for session %r: %s", spec.session_id, exc)
+            code, details = grpc.StatusCode.INTERNAL, f"target {engine.target_address_of(spec)}: {exc}"
+            trailers = _target_failed(engine.target_address_of(spec))
+        except tuple(_STATUS_OF) as exc:
+            code, details, trailers = _status_of(exc), str(exc), ()
         except Exception as exc:
             log.exception("Speculate for session %r failed", spec.session_id)
-            code, details = grpc.StatusCode.INTERNAL, f"draft service error: {exc}"
-        await context.abort(code, details)
+            code, details, trailers = grpc.StatusCode.INTERNAL, f"draft service error: {exc}", ()
+        await context.abort(code, details, trailing_metadata=trailers)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> DraftEngine:
         if self._engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft service is still starting")
         return self._engine
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    return next(code for kind, code in _STATUS_OF.items() if isinstance(exc, kind))
+
+
+def _target_failed(address: str) -> tuple[tuple[str, str], ...]:
+    return ((FAILED_HOP_KEY, FAILED_HOP_TARGET), (TARGET_ADDRESS_KEY, address))

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _TARGET_SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 _VERIFY = telemetry.full_method(_TARGET_SERVICE, "Verify")
 _RELEASE = telemetry.full_method(_TARGET_SERVICE, "Release")
+SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(health_pb2.HealthCheckResponse.SERVING)
 
 
 class GrpcVerifyStream:
@@ -65,11 +66,21 @@ class GrpcVerifyStream:
 
 
 class TargetClient:
+    """One channel to one target (``address``): the draft keeps one per target of its pool."""
+
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel = insecure_channel(address)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def health_state(self, timeout_s: float = 5.0) -> str:
+        """The target's gRPC health now: "SERVING", another serving status, or the call's error code."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def wait_until_serving(
         self, timeout_s: float | None = None, poll_s: float = 0.25, log_every_s: float = 10.0
@@ -80,14 +91,7 @@ class TargetClient:
         """
         started = time.monotonic()
         last_log = started
-        while True:
-            try:
-                reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.aio.AioRpcError as exc:
-                state = exc.code().name
+        while (state := await self.health_state()) != SERVING:
             now = time.monotonic()
             if timeout_s is not None and now - started >= timeout_s:
                 raise TargetUnavailableError(f"target at {self.address} is not SERVING after {timeout_s:.0f}s ({state})")

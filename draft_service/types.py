@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.rpc.token_tree import depths
+
 # Shared with the target and the gateway: one class per meaning (tandem.rpc.types).
 from tandem.rpc.types import (  # noqa: F401 (Verdict, VerdictStatus: re-exported for the draft's modules)
     DraftBlock,
@@ -78,6 +79,7 @@ class SessionSpec:
     session_max_new_tokens: int = 0  # the target session's budget incl. the prefill token; 0 = none
     max_new_tokens: int = 0  # the call ends after the round that streams this many in all; 0 = with the session
     tokenizer_fingerprint: str = ""  # the caller's; empty = not checked
+    target_address: str = ""  # the target holding the session ("host:port" of the draft's pool); "" = its first
 
 
 @dataclass(frozen=True)

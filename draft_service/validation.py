@@ -7,13 +7,17 @@ import math
 
 from draft_service.errors import InvalidRequestError
 from draft_service.types import SessionSpec, TargetInfo
+from tandem.rpc import addresses
 
 MAX_SPECULATIVE_TOKENS = 64
 MAX_SESSION_ID_LEN = 256
+MAX_ADDRESS_LEN = 300  # a DNS name (253) and a port, with room to spare
 
 
 def validate_spec(spec: SessionSpec, target: TargetInfo) -> None:
-    """Raises InvalidRequestError for the first problem found."""
+    """Raises InvalidRequestError for the first problem found. Only the form of ``target_address``
+    is checked here; whether it is one of the draft's targets is the router's to say
+    (``targets.TargetRouter.client``, which may have to resolve the pool again)."""
     problem = _first_problem(spec, target)
     if problem:
         raise InvalidRequestError(problem)
@@ -48,4 +52,19 @@ def _first_problem(spec: SessionSpec, target: TargetInfo) -> str | None:
         return f"params.max_new_tokens must be >= 0, got {spec.session_max_new_tokens}"
     if spec.max_new_tokens < 0:
         return f"max_new_tokens must be >= 0 (0 = until the session finishes), got {spec.max_new_tokens}"
+    return _address_problem(spec.target_address)
+
+
+def _address_problem(address: str) -> str | None:
+    """One "host:port" or empty (the draft's first target)."""
+    if not address:
+        return None
+    if len(address) > MAX_ADDRESS_LEN:
+        return f"target_address is longer than {MAX_ADDRESS_LEN} characters"
+    try:
+        entries = addresses.parse(address, "target_address")
+    except ValueError as error:
+        return str(error)
+    if len(entries) != 1 or "," in address or address != address.strip():
+        return f"target_address names one target (host:port), got {address!r}"
     return None

@@ -24,6 +24,7 @@ def spec_from_request(request: draft_pb2.SpeculateRequest, default_k: int) -> Se
         session_max_new_tokens=params.max_new_tokens,
         max_new_tokens=request.max_new_tokens,
         tokenizer_fingerprint=request.tokenizer_fingerprint,
+        target_address=request.target_address,
     )
 
 

@@ -100,7 +100,11 @@ class DraftSettings(_Base):
     target_model: str = _model_field(
         "target_model", DEFAULT_TARGET, "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head"
     )
-    target_address: str = Field(f"127.0.0.1:{PORTS['target_grpc']}", description="target gRPC address")
+    target_address: str = Field(
+        f"127.0.0.1:{PORTS['target_grpc']}",
+        description="the targets this draft serves sessions of: gRPC addresses, comma-separated; a DNS name stands "
+        "for every address it resolves to",
+    )
     port: int = Field(PORTS["draft_grpc"], description="gRPC port")
     metrics_port: int = Field(PORTS["draft_metrics"], description="Prometheus port (0 = off)")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64, description="default K")

@@ -44,6 +44,11 @@ class PassBatcher:
         self._lock = threading.Lock()  # calls arrive on the event loop, drains run on the model thread
         self._drain_queued = False
 
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a pass (not yet taken by a drain); a load figure, read without the lock."""
+        return len(self._pending)
+
     async def run(self, call: Any, rows: int) -> Any:
         """Runs ``call`` (``rows`` tokens) in the next pass that has room for it; returns its answer."""
         pending = _Pending(call, max(1, rows), Future())

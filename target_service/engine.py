@@ -35,11 +35,11 @@ from tandem.config import TargetSettings
 from tandem.models import LoadedModel, load_model
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
-from target_service.types import DraftBlock, FinishReason, GenerateResult, PrefillResult, Verdict
 from target_service.errors import InvalidArgument
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.runner import ModelRunner
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, kv_tokens, make_generator
+from target_service.types import DraftBlock, FinishReason, GenerateResult, PrefillResult, TargetLoad, Verdict
 from target_service.validation import check_prefill
 
 __all__ = ["Answer", "DecodeStep", "PrefillJob", "TargetEngine"]
@@ -235,6 +235,17 @@ class TargetEngine:
         if expired:
             log.info("expired %d idle session(s)", len(expired))
         return expired
+
+    def load(self, queued_passes: int = 0) -> TargetLoad:
+        """The sessions and KV budget in use now (``queued_passes`` comes from the server's batcher).
+
+        Safe to call from the event loop while the model thread works: it only reads counters
+        (ints), so a figure may lag a session being added or freed at that moment, nothing worse.
+        """
+        store = self.store
+        capacity = store.kv_budget_tokens
+        free = max(0, capacity - store.reserved_kv_tokens) if capacity else 0
+        return TargetLoad(store.live, free, capacity, queued_passes)
 
     def check_tokenizer(self, fingerprint: str) -> None:
         """Refuses a caller whose (non-empty) tokenizer fingerprint differs from the target's."""

@@ -18,7 +18,6 @@ import grpc
 from tandem.models.worker import ModelWorker
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service import wire
-from target_service.types import FinishReason
 from target_service.batcher import PassBatcher
 from target_service.engine import DecodeStep, TargetEngine
 from target_service.errors import (
@@ -29,6 +28,7 @@ from target_service.errors import (
     TokenizerMismatch,
     TooManySessions,
 )
+from target_service.types import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Info(self, request: target_pb2.TargetServiceInfoRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
-        return wire.info_response(engine.info)
+        return wire.info_response(engine.info, engine.load(self.batcher.queued))
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)

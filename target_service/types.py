@@ -35,6 +35,21 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class TargetLoad:
+    """How busy the target is right now (``TargetService.Info``'s load fields), read fresh per call
+    so a gateway in front of a pool of targets can place a new session on the least loaded one.
+
+    Invariants: ``0 <= kv_free_tokens <= kv_capacity_tokens``; both are 0 when no KV budget is
+    configured (then the target admits sessions by ``max_sessions`` alone).
+    """
+
+    active_sessions: int  # live sessions: created and not finished, released or expired (they hold KV)
+    kv_free_tokens: int  # KV positions not reserved by a live session
+    kv_capacity_tokens: int  # the whole KV budget, in positions
+    queued_passes: int  # calls (verify blocks, decode steps, prefill chunks) waiting for a pass
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     token_id: int
     committed_len: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tandem.rpc import codecs
 from tandem.v1 import common_pb2, target_pb2
 from target_service.session import SessionConfig
-from target_service.types import DraftBlock, EngineInfo, GenerateResult, PrefillResult, Verdict
+from target_service.types import DraftBlock, EngineInfo, GenerateResult, PrefillResult, TargetLoad, Verdict
 
 
 def session_config(params: common_pb2.SessionParams, return_hidden_states: bool) -> SessionConfig:
@@ -38,7 +38,7 @@ def generate_response(result: GenerateResult) -> target_pb2.TargetServiceGenerat
     )
 
 
-def info_response(info: EngineInfo) -> target_pb2.TargetServiceInfoResponse:
+def info_response(info: EngineInfo, load: TargetLoad) -> target_pb2.TargetServiceInfoResponse:
     return target_pb2.TargetServiceInfoResponse(
         model_name=info.model_name,
         vocab_size=info.vocab_size,
@@ -49,4 +49,8 @@ def info_response(info: EngineInfo) -> target_pb2.TargetServiceInfoResponse:
         eos_token_ids=info.eos_token_ids,
         hidden_size=info.hidden_size,
         verifier_backend=info.verifier_backend,
+        active_sessions=load.active_sessions,
+        kv_free_tokens=load.kv_free_tokens,
+        kv_capacity_tokens=load.kv_capacity_tokens,
+        queued_passes=load.queued_passes,
     )

@@ -260,13 +260,18 @@ class FakeTarget:
 
 
 async def start_fake_target(
-    loaded: LoadedModel, *, serving: bool = True, fingerprint: str | None = None, max_context_len: int = 0
+    loaded: LoadedModel,
+    *,
+    serving: bool = True,
+    fingerprint: str | None = None,
+    max_context_len: int = 0,
+    service_class: type[FakeTargetService] = FakeTargetService,
 ) -> FakeTarget:
-    """A FakeTargetService on a free loopback port, with gRPC health."""
+    """A FakeTargetService (or ``service_class``, a subclass) on a free loopback port, with gRPC health."""
     reference = ReferenceTarget(loaded.model, (loaded.tokenizer.eos_token_id,), max_context_len)
     if fingerprint is None:
         fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    service = FakeTargetService(reference, loaded.name, fingerprint, loaded.model.config.vocab_size)
+    service = service_class(reference, loaded.name, fingerprint, loaded.model.config.vocab_size)
     server = make_server()
     target_pb2_grpc.add_TargetServiceServicer_to_server(service, server)
     health = Health(server, [TARGET_SERVICE])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from contextlib import aclosing
 
 import pytest
@@ -13,8 +12,8 @@ from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.types import FinishReason, SamplingParams, SessionSpec, TargetInfo
-from tandem.telemetry.metrics import make_metrics
 from tandem.models.worker import ModelWorker
+from tandem.telemetry.metrics import make_metrics
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
@@ -33,11 +32,18 @@ class Stream:
 
 
 class Port:
-    """The engine's TargetPort over an in-memory reference target."""
+    """The engine's TargetPort over an in-memory reference target, and a pool of that one target
+    (under any address)."""
 
     def __init__(self, target: ReferenceTarget) -> None:
         self.verifier = InMemoryVerifier(target)
         self.released: list[str] = []
+
+    def address_of(self, address: str) -> str:
+        return address or "first:1"
+
+    async def client(self, address: str) -> Port:
+        return self
 
     def open_verify_stream(self, session_id: str) -> Stream:
         return Stream(self.verifier)
@@ -92,9 +98,17 @@ def setup(target):
     return reference, proposer, engine, worker, clock
 
 
-async def leg(engine: DraftEngine, reference: ReferenceTarget, session_id: str, n: int, sampling=SamplingParams()):
+async def leg(
+    engine: DraftEngine,
+    reference: ReferenceTarget,
+    session_id: str,
+    n: int,
+    sampling: SamplingParams | None = None,
+    target: str = "",
+):
+    sampling = sampling if sampling is not None else SamplingParams()
     tokens = tuple(reference.sessions[session_id].tokens)
-    spec = SessionSpec(session_id, tokens, len(PROMPT), sampling, 3, max_new_tokens=n)
+    spec = SessionSpec(session_id, tokens, len(PROMPT), sampling, 3, max_new_tokens=n, target_address=target)
     async with aclosing(engine.speculate(spec)) as rounds:
         return [t async for r in rounds for t in r.token_ids]
 
@@ -135,7 +149,7 @@ async def test_a_call_closed_after_the_finishing_round_releases_nothing(setup) -
     """A caller may stop listening as soon as it reads the verdict that finished the session (the
     target has freed it already): that is no abandoned session. Closed earlier, it is one."""
     reference, _, engine, worker, _ = setup
-    port = engine._target
+    port = engine._targets
     for session_id, stop_at_finish in (("done", True), ("left", False)):
         reference.prefill(session_id, PROMPT, max_new_tokens=6)
         spec = SessionSpec(session_id, tuple(reference.sessions[session_id].tokens), len(PROMPT), SamplingParams(), 3)
@@ -168,3 +182,19 @@ async def test_a_sessions_acceptance_record_outlives_its_calls(target) -> None:
     assert engine._parked["s"].acceptance is record and record.offered > offered
     await engine.aclose()
     worker.shutdown()
+
+
+async def test_a_session_that_moved_to_another_target_starts_afresh(setup) -> None:
+    """Parked state stands for the session on the target it was parked from: on another one (its
+    first target died and the gateway moved it) nothing parked is reused."""
+    reference, proposer, engine, worker, _ = setup
+    reference.prefill("s", PROMPT, max_new_tokens=40)
+    await leg(engine, reference, "s", 4)  # "" = the pool's first target, "first:1"
+    await leg(engine, reference, "s", 4, target="first:1")  # the same target, named: resumed
+    assert (proposer.opened, proposer.closed) == (1, 0)
+    await leg(engine, reference, "s", 4, target="second:2")
+    await drained(worker)
+    assert (proposer.opened, proposer.closed) == (2, 1)
+    assert engine._parked["s"].target_address == "second:2"
+    await engine.aclose()
+    await drained(worker)
