@@ -208,3 +208,86 @@ def running_services(
         yield services
     finally:
         services.stop()
+
+
+# ---- a local fleet: tandem serve --targets N --drafts M, every port chosen by the supervisor -----
+
+
+@dataclass
+class Fleet:
+    process: subprocess.Popen
+    addresses: dict[str, str]  # "gateway", "target-0", ..., "draft-0", ..., and "http"
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def grpc_address(self) -> str:
+        return self.addresses["gateway"]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.addresses['http']}"
+
+    def names(self, role: str) -> list[str]:
+        return sorted(name for name in self.addresses if name.startswith(role + "-"))
+
+    def pid(self, name: str) -> int | None:
+        """The process id of the child ``name`` now (None while it is down)."""
+        import psutil
+
+        port = self.addresses[name].rsplit(":", 1)[1]
+        for child in psutil.Process(self.process.pid).children():
+            try:
+                argv = child.cmdline()
+            except psutil.Error:
+                continue
+            if child.status() != psutil.STATUS_ZOMBIE and "--port" in argv and argv[argv.index("--port") + 1] == port:
+                return child.pid
+        return None
+
+    def log(self) -> str:
+        return "".join(self.output[-300:])
+
+
+@contextmanager
+def running_fleet(target_model: str, draft_model: str, targets: int, drafts: int, k: int = 4,
+                  env: dict[str, str] | None = None, ready_timeout_s: float = 300.0) -> Iterator[Fleet]:
+    """``tandem serve --targets N --drafts M`` with every gRPC and HTTP port 0 (the supervisor picks
+    free ones and prints them) and metrics off; ``env``: extra settings for the children."""
+    from tandem.fleet import read_ready_block
+
+    argv = [sys.executable, "-m", "tandem.cli", "serve", "--target-model", target_model, "--draft-model", draft_model,
+            "--num-speculative-tokens", str(k), "--targets", str(targets), "--drafts", str(drafts),
+            "--http-port", "0", "--grpc-port", "0", "--target-port", "0", "--draft-port", "0",
+            "--target-metrics-port", "0", "--draft-metrics-port", "0"]
+    child_env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**child_env, **(env or {})}, start_new_session=True)
+    fleet = Fleet(process, {})
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            fleet.output.append(line)
+            if "Press Ctrl-C to stop." in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while not ready.is_set():
+            if process.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {process.returncode}:\n{fleet.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tandem serve not ready in {ready_timeout_s}s:\n{fleet.log()}")
+            time.sleep(0.2)
+        fleet.addresses = read_ready_block("".join(fleet.output))
+        yield fleet
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

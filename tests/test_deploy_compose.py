@@ -80,6 +80,12 @@ def test_compose_layout(compose) -> None:
     draft_env = services["draft"]["environment"]
     assert draft_env["TANDEM_TARGET_MODEL"] == services["target"]["environment"]["TANDEM_TARGET_MODEL"]
     assert draft_env["TANDEM_DRAFT_MODEL"] == f"${{TANDEM_DRAFT_MODEL:-{DEFAULT_DRAFT}}}"
+    # Pools: target and draft scale by replicas; gateway and drafts find every replica by DNS name.
+    for name, variable in (("target", "TANDEM_TARGETS"), ("target-gpu", "TANDEM_TARGETS"), ("draft", "TANDEM_DRAFTS")):
+        assert services[name]["deploy"]["replicas"] == f"${{{variable}:-1}}", name
+    assert services["gateway"]["environment"]["TANDEM_TARGET_ADDRESS"] == "target:50053"
+    assert services["gateway"]["environment"]["TANDEM_DRAFT_ADDRESS"] == "draft:50052"
+    assert draft_env["TANDEM_TARGET_ADDRESS"] == "target:50053"
     # K defaults to tandem's own default in every service that takes it.
     for name in ("draft", "gateway"):
         k = services[name]["environment"]["TANDEM_NUM_SPECULATIVE_TOKENS"]
