@@ -103,7 +103,7 @@ class UpstreamMonitor:
             return
         if info.max_context_len > 0:
             self._model.max_context_len = info.max_context_len
-        member.reported_sessions, member.queued = info.active_sessions, info.queued_passes
+        member.report(info.active_sessions, info.queued_passes)
         self._set(member, True, f"serving {info.model_name}")
         await self._settle_releases(member)
 
@@ -118,7 +118,7 @@ class UpstreamMonitor:
         if info.tokenizer_fingerprint and not self._same_tokenizer(member, "draft", name, info.tokenizer_fingerprint):
             return
         self.draft_info = info
-        member.reported_sessions = info.active_sessions
+        member.report(info.active_sessions)
         self._set(member, True, f"serving {name} (proposer {info.proposer})")
 
     async def _serving_info(self, member: Member[Any]) -> Any:

@@ -7,9 +7,9 @@ health check found it SERVING with the gateway's tokenizer and nothing has taken
 session that saw it die or hang takes it out at once; the next check that finds it SERVING takes it
 back). A draft member is usable only while its circuit breaker allows speculation, too.
 
-Placement: a new session goes to the usable member with the least load, the larger of the sessions
-this gateway placed there and the sessions the member reports (other gateways share it), plus its
-queued passes; ties go round-robin. A target session stays on its member until it ends or the
+Placement: a new session goes to the usable member with the least load: the sessions this gateway
+placed there, those of other gateways (what the member last reported beyond this gateway's own),
+and its queued passes; ties go round-robin. A target session stays on its member until it ends or the
 member fails; a draft serves one leg at a time, so every speculative leg is placed anew.
 
 Invariant: ``Member.sessions`` counts exactly the :class:`Placement` objects not yet closed; a
@@ -41,7 +41,7 @@ class Member(Generic[U]):
     reachable: bool | None = None  # answered its health check with SERVING, whatever the tokenizer
     detail: str = "not checked yet"
     sessions: int = 0  # placed here by this gateway, not yet closed
-    reported_sessions: int = 0  # what the member said in its last Info (all gateways)
+    foreign_sessions: int = 0  # other gateways' sessions here, as of the member's last Info
     queued: int = 0  # passes waiting in the member (targets)
     leaving: bool = False  # gone from DNS: no new sessions
     breaker: DraftBreaker | None = None  # drafts: this member's circuit breaker
@@ -59,7 +59,13 @@ class Member(Generic[U]):
 
     @property
     def load(self) -> int:
-        return max(self.sessions, self.reported_sessions) + self.queued
+        return self.sessions + self.foreign_sessions + self.queued
+
+    def report(self, active_sessions: int, queued: int = 0) -> None:
+        """What the member's ``Info`` says it runs. Only the part beyond this gateway's own count
+        is kept, so that sessions this gateway ended since then are not counted again."""
+        self.foreign_sessions = max(0, active_sessions - self.sessions)
+        self.queued = queued
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"address": self.address, "serving": bool(self.serving), "detail": self.detail,

@@ -16,6 +16,7 @@ from typing import Any, get_args, get_origin
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pydantic import ValidationError  # noqa: E402
 from pydantic_settings import BaseSettings  # noqa: E402
 
 from tandem import config  # noqa: E402
@@ -42,8 +43,16 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
 
 
 def settings_from(args: argparse.Namespace, settings_cls: type[BaseSettings]) -> Any:
+    """The settings of the flags given and the environment; a bad value exits with status 2 and
+    one line per problem naming the flag, as argparse does for its own errors."""
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields}
-    return settings_cls(**given)
+    try:
+        return settings_cls(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
+                             for e in exc.errors())
+        print(f"tandem {args.command}: error: {problems}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,10 +6,22 @@ CLI flags are parsed by ``tandem.cli`` and passed as init values, which win over
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+from pydantic import AfterValidator, AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from typing import Annotated
+
 from tandem.models import DEFAULT_TARGET
+from tandem.rpc import addresses
+
+
+def _pool(spec: str) -> str:
+    addresses.parse(spec)  # ValueError (a settings error) for an entry that is not host:port
+    return spec
+
+
+# A pool's comma-separated host:port entries (tandem.rpc.addresses).
+PoolAddresses = Annotated[str, AfterValidator(_pool)]
 
 # "auto": prompt lookup first and the shipped eagle head where lookup finds nothing (ngram+eagle),
 # for a target tandem ships a head for; prompt lookup alone (ngram) for any other target
@@ -100,7 +112,7 @@ class DraftSettings(_Base):
     target_model: str = _model_field(
         "target_model", DEFAULT_TARGET, "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head"
     )
-    target_address: str = Field(
+    target_address: PoolAddresses = Field(
         f"127.0.0.1:{PORTS['target_grpc']}",
         description="the targets this draft serves sessions of: gRPC addresses, comma-separated; a DNS name stands "
         "for every address it resolves to",
@@ -160,12 +172,12 @@ class DraftSettings(_Base):
 class GatewaySettings(_Base):
     target_model: str = _model_field("target_model", DEFAULT_TARGET, "target SPEC (for its tokenizer)")
     served_model_name: str | None = Field(None, description="model id (default: from the SPEC)")
-    target_address: str = Field(
+    target_address: PoolAddresses = Field(
         f"127.0.0.1:{PORTS['target_grpc']}",
         description="target pool: gRPC addresses, comma-separated; a DNS name stands for every address it resolves "
         "to (re-resolved, so the pool can grow and shrink)",
     )
-    draft_address: str = Field(
+    draft_address: PoolAddresses = Field(
         f"127.0.0.1:{PORTS['draft_grpc']}", description="draft pool: gRPC addresses, as --target-address"
     )
     http_port: int = Field(PORTS["gateway_http"], description="HTTP port (OpenAI API and /metrics)")

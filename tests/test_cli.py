@@ -43,9 +43,15 @@ def test_env_twins_and_flag_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (s.num_speculative_tokens, s.target_model) == (3, "/models/c")
 
 
-def test_invalid_flag_value_is_refused() -> None:
-    with pytest.raises(Exception, match="num_speculative_tokens"):
-        parse("serve", "--num-speculative-tokens", "0")
+def test_invalid_flag_value_is_refused_with_one_line_naming_the_flag(capsys) -> None:
+    for argv, message in [(("serve", "--num-speculative-tokens", "0"), "--num-speculative-tokens: Input should be"),
+                          (("gateway", "--target-address", "a:1,b"), "--target-address: Value error, address 'b' is "
+                                                                      "not host:port"),
+                          (("draft", "--target-address", "x:http"), "--target-address: Value error")]:
+        with pytest.raises(SystemExit) as info:
+            parse(*argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_children_talk_over_loopback_on_the_given_ports() -> None:

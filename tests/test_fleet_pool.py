@@ -76,7 +76,7 @@ def test_placement_prefers_the_least_loaded_usable_member_and_spreads_ties():
     pool = Pool.of("target", {"a:1": Client("a"), "b:1": Client("b"), "c:1": Client("c")})
     first = [pool.place() for _ in range(3)]
     assert sorted(p.address for p in first) == ["a:1", "b:1", "c:1"]  # one each
-    pool.members["a:1"].reported_sessions = 5  # another gateway's sessions count too
+    pool.members["a:1"].report(6)  # another gateway's sessions count too (5 beyond this one's)
     assert {pool.place().address for _ in range(2)} == {"b:1", "c:1"}
     pool.take_out(pool.members["b:1"], "connection refused")
     assert pool.place().address == "c:1"
@@ -139,8 +139,8 @@ async def test_the_monitor_takes_members_back_reads_their_load_and_settles_owed_
     monitor = UpstreamMonitor(targets, drafts, model)
     assert await monitor.check()
     one = targets.members["10.0.0.1:1"]
-    assert (one.reported_sessions, one.queued, model.max_context_len) == (4, 1, 99)
-    assert drafts.members["10.0.0.3:1"].reported_sessions == 2
+    assert (one.load, one.queued, model.max_context_len) == (5, 1, 99)
+    assert drafts.members["10.0.0.3:1"].load == 2
     # A session saw the target hang: out of the pool, its session's release owed.
     targets.take_out(one, "hung")
     one.owed_releases.add("s1")

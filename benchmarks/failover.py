@@ -1,0 +1,142 @@
+"""How fast a fleet heals: the time from a target's SIGKILL to the next token of each stream it held.
+
+Starts ``tandem serve --targets N --drafts M`` (every port chosen by the supervisor), runs
+``--streams`` concurrent greedy gRPC streams, and once every stream is under way kills the target
+that holds the most of them (the gateway's ``/health`` lists each member's sessions). For every
+stream it reports the wait from the kill to its next token and its median gap between tokens
+before the kill; the streams whose wait stands out (over ``--affected-factor`` times their median
+gap, and 100 ms) are those that moved. Then it checks that every stream still produced the tokens
+of a run without the kill (greedy, so the reference is the same prompt streamed once beforehand).
+
+    python benchmarks/failover.py --target-model gemma-3-270m --draft-model ngram --streams 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import psutil
+
+from tandem.fleet import read_ready_block
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+PROMPTS = ["Write a short story about a lighthouse keeper who", "Explain how a bicycle stays upright:",
+           "List the planets of the solar system and one fact about each:", "def quicksort(items):",
+           "The history of the printing press begins", "Summarise the rules of chess in a paragraph:",
+           "Translate to French: The weather is nice today and", "A recipe for bread, step by step:"]
+
+
+def start(args: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
+    argv = [sys.executable, "-m", "tandem.cli", "serve", "--target-model", args.target_model, "--draft-model",
+            args.draft_model, "--targets", str(args.targets), "--drafts", str(args.drafts), "--http-port", "0",
+            "--grpc-port", "0", "--target-port", "0", "--draft-port", "0", "--target-metrics-port", "0",
+            "--draft-metrics-port", "0"]
+    env = {**os.environ, "TANDEM_TARGET_TIMEOUT_S": str(args.target_timeout_s)}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    lines: list[str] = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+        if "Press Ctrl-C to stop." in line:
+            break
+    else:
+        raise SystemExit("tandem serve exited:\n" + "".join(lines[-50:]))
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # drain the log
+    return process, read_ready_block("".join(lines))
+
+
+def stream(address: str, prompt: str, max_tokens: int, arrivals: list[tuple[float, int]]) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(
+            prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            speculation=common_pb2.SPECULATION_MODE_ON)
+        ids: list[int] = []
+        for chunk in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request, timeout=600):
+            ids.extend(chunk.token_ids)
+            arrivals.append((time.monotonic(), len(chunk.token_ids)))
+    return ids
+
+
+def pid_on_port(supervisor: int, port: str) -> int:
+    for child in psutil.Process(supervisor).children():
+        argv = child.cmdline()
+        if "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return child.pid
+    raise LookupError(port)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target-model", default="gemma-3-270m")
+    parser.add_argument("--draft-model", default="ngram")
+    parser.add_argument("--targets", type=int, default=2)
+    parser.add_argument("--drafts", type=int, default=1)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--kill-after-tokens", type=int, default=16)
+    parser.add_argument("--target-timeout-s", type=float, default=10.0)
+    parser.add_argument("--affected-factor", type=float, default=3.0)
+    parser.add_argument("--json", default="", help="write the figures here too")
+    args = parser.parse_args()
+    process, addresses = start(args)
+    gateway, http = addresses["gateway"], f"http://{addresses['http']}"
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
+    try:
+        reference = [stream(gateway, p, args.max_tokens, []) for p in prompts]
+        arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
+        results: list[list[int] | None] = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            results[i] = stream(gateway, prompts[i], args.max_tokens, arrivals[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        while not all(sum(n for _, n in a) >= args.kill_after_tokens for a in arrivals):
+            time.sleep(0.01)
+        members = httpx.get(f"{http}/health", timeout=10).json()["target"]["members"]
+        victim = max(members, key=lambda m: m["sessions"])
+        killed_at = time.monotonic()
+        os.kill(pid_on_port(process.pid, victim["address"].rsplit(":", 1)[1]), signal.SIGKILL)
+        for thread in threads:
+            thread.join()
+        rows = []
+        for i, times in enumerate(arrivals):
+            before = [t for t, _ in times if t <= killed_at]
+            gaps = [b - a for a, b in zip(before, before[1:])]
+            after = next((t for t, _ in times if t > killed_at), None)
+            wait = None if after is None else after - killed_at
+            median = statistics.median(gaps) if gaps else 0.0
+            rows.append({"stream": i, "wait_s": wait, "median_gap_s": median,
+                         "moved": wait is not None and wait > max(0.1, args.affected_factor * median),
+                         "same_tokens": results[i] == reference[i]})
+        moved = [r["wait_s"] for r in rows if r["moved"]]
+        summary = {"target_model": args.target_model, "targets": args.targets, "drafts": args.drafts,
+                   "streams": args.streams, "victim_sessions": victim["sessions"], "moved_streams": len(moved),
+                   "heal_s_max": max(moved, default=None), "heal_s_median": statistics.median(moved) if moved else None,
+                   "all_same_tokens": all(r["same_tokens"] for r in rows), "rows": rows}
+        print(json.dumps(summary, indent=2))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(summary, out, indent=2)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
