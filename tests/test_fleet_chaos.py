@@ -158,3 +158,27 @@ def test_streams_survive_killed_and_hung_children_with_the_same_tokens(tiny_dir,
         story = "\n".join(line for line in fleet.output if "continuing" in line or "out of the pool" in line)
         assert metric_value(metrics, "tandem_session_failovers_total", reason="unavailable") >= 1, f"{moves}\n{story}"
         assert metric_value(metrics, "tandem_session_failovers_total", reason="timeout") >= 1, f"{moves}\n{story}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_on_gemma_a_stream_outlives_the_target_it_started_on() -> None:
+    """The default model, two targets and one draft: the target holding the only stream is
+    SIGKILLed mid-stream; the stream ends with the tokens of a run without the kill."""
+    env = {"TANDEM_TARGET_TIMEOUT_S": "10", "TANDEM_FAILOVER_WAIT_S": "120"}
+    with running_fleet("gemma-3-270m", "ngram", targets=2, drafts=1, k=5, env=env, ready_timeout_s=900) as fleet:
+        prompt = "Write a short story about a lighthouse keeper who"
+        expected = stream(fleet, prompt)
+        arrivals: list[float] = []
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(stream(fleet, prompt, arrivals)))
+        thread.start()
+        wait_for(lambda: len(arrivals) >= 4, 120, "the stream under way", fleet)
+        members = httpx.get(f"{fleet.base_url}/health", timeout=10).json()["target"]["members"]
+        (holder,) = [m["address"] for m in members if m["sessions"] == 1]
+        name = next(n for n, a in fleet.addresses.items() if a.rsplit(":", 1)[1] == holder.rsplit(":", 1)[1])
+        os.kill(fleet.pid(name), signal.SIGKILL)
+        thread.join(timeout=600)
+        assert result == [expected], fleet.log()
+        metrics = httpx.get(f"{fleet.base_url}/metrics", timeout=10).text
+        assert metric_value(metrics, "tandem_session_failovers_total", reason="unavailable") == 1
