@@ -4,9 +4,10 @@ Starts ``tandem serve --targets N --drafts M`` (every port chosen by the supervi
 ``--streams`` concurrent greedy gRPC streams, and once every stream is under way kills the target
 that holds the most of them (the gateway's ``/health`` lists each member's sessions). For every
 stream it reports the wait from the kill to its next token and its median gap between tokens
-before the kill; the streams whose wait stands out (over ``--affected-factor`` times their median
-gap, and 100 ms) are those that moved. Then it checks that every stream still produced the tokens
-of a run without the kill (greedy, so the reference is the same prompt streamed once beforehand).
+before the kill. The API does not say which streams the victim held, so the figure to read is the
+slowest wait over all streams: an upper bound of the heal time of those that moved. Then it checks
+that every stream still produced the tokens of a run without the kill (greedy, so the reference is
+the same prompts streamed concurrently beforehand), and where one differs, at which token.
 
     python benchmarks/failover.py --target-model gemma-3-270m --draft-model ngram --streams 4
 """
@@ -86,19 +87,32 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--kill-after-tokens", type=int, default=16)
     parser.add_argument("--target-timeout-s", type=float, default=10.0)
-    parser.add_argument("--affected-factor", type=float, default=3.0)
     parser.add_argument("--json", default="", help="write the figures here too")
     args = parser.parse_args()
     process, addresses = start(args)
     gateway, http = addresses["gateway"], f"http://{addresses['http']}"
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
     try:
-        reference = [stream(gateway, p, args.max_tokens, []) for p in prompts]
+        reference: list[list[int] | None] = [None] * len(prompts)
+
+        def run_reference(i: int) -> None:
+            reference[i] = stream(gateway, prompts[i], args.max_tokens, [])
+
+        threads = [threading.Thread(target=run_reference, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
         results: list[list[int] | None] = [None] * len(prompts)
 
+        errors: dict[int, str] = {}
+
         def run(i: int) -> None:
-            results[i] = stream(gateway, prompts[i], args.max_tokens, arrivals[i])
+            try:
+                results[i] = stream(gateway, prompts[i], args.max_tokens, arrivals[i])
+            except grpc.RpcError as exc:
+                errors[i] = f"{exc.code().name}: {exc.details()}"
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for thread in threads:
@@ -117,15 +131,17 @@ def main() -> None:
             gaps = [b - a for a, b in zip(before, before[1:])]
             after = next((t for t, _ in times if t > killed_at), None)
             wait = None if after is None else after - killed_at
-            median = statistics.median(gaps) if gaps else 0.0
-            rows.append({"stream": i, "wait_s": wait, "median_gap_s": median,
-                         "moved": wait is not None and wait > max(0.1, args.affected_factor * median),
-                         "same_tokens": results[i] == reference[i]})
-        moved = [r["wait_s"] for r in rows if r["moved"]]
+            got, want = results[i] or [], reference[i] or []
+            first_difference = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b),
+                                    None if len(got) == len(want) else min(len(got), len(want)))
+            rows.append({"stream": i, "wait_s": wait, "median_gap_s": statistics.median(gaps) if gaps else None,
+                         "tokens_at_kill": sum(n for t, n in times if t <= killed_at),
+                         "first_difference": first_difference, "error": errors.get(i)})
+        waits = [r["wait_s"] for r in rows if r["wait_s"] is not None]
         summary = {"target_model": args.target_model, "targets": args.targets, "drafts": args.drafts,
-                   "streams": args.streams, "victim_sessions": victim["sessions"], "moved_streams": len(moved),
-                   "heal_s_max": max(moved, default=None), "heal_s_median": statistics.median(moved) if moved else None,
-                   "all_same_tokens": all(r["same_tokens"] for r in rows), "rows": rows}
+                   "streams": args.streams, "victim_sessions": victim["sessions"], "wait_s_max": max(waits),
+                   "wait_s_median": statistics.median(waits),
+                   "all_same_tokens": all(r["first_difference"] is None for r in rows), "rows": rows}
         print(json.dumps(summary, indent=2))
         if args.json:
             with open(args.json, "w") as out:

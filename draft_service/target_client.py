@@ -38,7 +38,12 @@ class GrpcVerifyStream:
         # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here,
         # with the target's code and message, which the server passes on to its caller.
         try:
-            await self._call.write(wire.verify_request(block))
+            try:
+                await self._call.write(wire.verify_request(block))
+            except asyncio.InvalidStateError:
+                # The call ended before this block went out (the target died between two blocks):
+                # its own status says why, as the target's error.
+                raise await self._ended() from None
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             self._span.end(exc)
@@ -46,6 +51,12 @@ class GrpcVerifyStream:
         if response is grpc.aio.EOF:
             raise ProtocolError(f"the target ended the Verify stream without a verdict for block {block.block_id}")
         return wire.verdict_from_response(response)
+
+    async def _ended(self) -> grpc.aio.AioRpcError:
+        """The finished call's status as the error a failed read would have raised."""
+        call = self._call
+        return grpc.aio.AioRpcError(await call.code(), await call.initial_metadata(), await call.trailing_metadata(),
+                                    await call.details())
 
     async def close(self) -> None:
         try:

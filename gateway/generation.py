@@ -224,6 +224,11 @@ class Generation:
                 yield await self._session.failover(self._output.completion, lost)
                 continue
             except DraftLegFailed as failed:
+                try:  # a draft fails with its target too: then the session moves, the draft is not blamed
+                    await self._session.check_alive(after=f"the draft failed: {failed.error.message}")
+                except TargetLost as lost:
+                    yield await self._session.failover(self._output.completion, lost)
+                    continue
                 if failed.member is not None and failed.member.breaker is not None and failed.recoverable:
                     failed.member.breaker.record_failure(failed.failure)
                 if (failed.recoverable and failed.member is not None and self._deps.can_speculate()

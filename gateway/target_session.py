@@ -179,12 +179,17 @@ class TargetSession:
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
 
-    async def check_alive(self) -> None:
-        """Raises :class:`TargetLost` unless the session's target answers its health check."""
+    async def check_alive(self, after: str = "") -> None:
+        """Raises :class:`TargetLost` unless the session's target answers its health check.
+        ``after``: what made the caller ask (default: the target's own silence)."""
         timeout = self._deps.tuning.target_timeout_s
-        if not await self.target.is_serving(timeout):
-            raise TargetLost(f"the target service at {self.address} stopped answering (nothing for {timeout:g}s, "
-                             f"and no health check answer in {timeout:g}s)", reason="timeout", address=self.address)
+        if await self.target.is_serving(timeout):
+            return
+        if after:
+            raise TargetLost(f"the target service at {self.address} does not answer its health check ({after})",
+                             reason="unavailable", address=self.address)
+        raise TargetLost(f"the target service at {self.address} stopped answering (nothing for {timeout:g}s, "
+                         f"and no health check answer in {timeout:g}s)", reason="timeout", address=self.address)
 
     def _place(self, avoid: frozenset[str]) -> Placement[TargetUpstream]:
         placement = self._deps.targets.place(avoid)

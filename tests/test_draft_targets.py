@@ -228,3 +228,31 @@ async def test_start_up_takes_any_serving_target(target) -> None:
     with pytest.raises(TargetUnavailableError) as err:
         await start_draft(lambda info: NgramProposer(), f"{absent},127.0.0.1:{free_port()}", target_wait_s=0.5)
     assert absent in str(err.value)
+
+
+async def test_a_block_written_after_the_target_died_raises_the_calls_own_status():
+    """grpc.aio refuses a write on a finished call with InvalidStateError; the draft must pass the
+    call's status on (so the caller learns that the target failed), not a bare "RPC already finished"."""
+    from draft_service.target_client import GrpcVerifyStream
+    from draft_service.types import Proposal, ProposedBlock
+
+    class FinishedCall:
+        async def write(self, request):
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+        async def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        async def initial_metadata(self):
+            return grpc.aio.Metadata()
+
+        async def trailing_metadata(self):
+            return grpc.aio.Metadata()
+
+        async def details(self):
+            return "Socket closed"
+
+    stream = GrpcVerifyStream(FinishedCall())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stream.verify(ProposedBlock("s", 1, 3, Proposal((4,))))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and info.value.details() == "Socket closed"

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.breaker import BreakerConfig, BreakerState, DraftBreaker
 from gateway.deps import GenerationDeps, SessionTuning
-from gateway.errors import TargetLost, UpstreamUnavailable
+from gateway.errors import TargetLost, UpstreamFailure, UpstreamUnavailable
 from gateway.events import Finished, TextDelta
 from gateway.generation import Generation
 from gateway.policy import SpeculationPolicy
@@ -186,3 +186,31 @@ async def test_with_no_target_left_the_client_gets_an_error_naming_it(tokenizer)
         await run(deps, make_request(tokenizer, Speculation.OFF))
     assert "t:1" in info.value.message and "no target served within 0.2s" in info.value.message
     assert deps.counters.active_sessions == 0 and deps.targets.members["t:1"].sessions == 0
+
+
+async def test_a_draft_failing_because_its_target_died_moves_the_session_not_the_blame(tokenizer):
+    """A draft may report its target's death as its own failure (no tag): the gateway asks the
+    target's health before blaming the draft, and moves the session when the target is gone."""
+    a, b = ScriptedModel(tokenizer), ScriptedModel(tokenizer)
+    targets = {"a:1": InMemoryTarget(a), "b:1": InMemoryTarget(b)}
+
+    class UntaggedDraft(RoutingDraft):
+        async def _checked(self, target, request):
+            async for message in self._rounds(request):
+                if not target.serving:
+                    raise UpstreamFailure("the draft service failed (INTERNAL): RPC already finished.")
+                yield message
+
+    deps = make_deps(tokenizer, targets, {"d:1": UntaggedDraft(targets)})
+    deps.targets.members["b:1"].sessions = 1
+
+    async def kill_a_soon():
+        while not any(s.generated[3:] for s in a.sessions.values()):
+            await asyncio.sleep(0)
+        targets["a:1"].serving = False
+
+    killer = asyncio.ensure_future(kill_a_soon())
+    tokens, finished = await run(deps, make_request(tokenizer, Speculation.ON))
+    await killer
+    assert tokens == a.expected_tokens(N, ignore_eos=True) and failovers(deps, "unavailable") == 1
+    assert deps.drafts.members["d:1"].breaker.state is BreakerState.CLOSED
