@@ -4,8 +4,10 @@ Starts ``tandem serve --targets N --drafts M`` (every port chosen by the supervi
 ``--streams`` concurrent greedy gRPC streams, and once every stream is under way kills the target
 that holds the most of them (the gateway's ``/health`` lists each member's sessions). For every
 stream it reports the wait from the kill to its next token and its median gap between tokens
-before the kill. The API does not say which streams the victim held, so the figure to read is the
-slowest wait over all streams: an upper bound of the heal time of those that moved. Then it checks
+before the kill, and its longest pause after the kill (a token already on its way may come first).
+Streams are unpaced (``stream_smoothing`` off), so tokens arrive as the gateway gets them. The API
+does not say which streams the victim held, so the figure to read is the longest pause over all
+streams: an upper bound of the heal time of those that moved. Then it checks
 that every stream still produced the tokens of a run without the kill (greedy, so the reference is
 the same prompts streamed concurrently beforehand), and where one differs, at which token.
 
@@ -61,7 +63,9 @@ def stream(address: str, prompt: str, max_tokens: int, arrivals: list[tuple[floa
     with grpc.insecure_channel(address) as channel:
         request = gateway_pb2.GatewayServiceGenerateRequest(
             prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-            speculation=common_pb2.SPECULATION_MODE_ON)
+            speculation=common_pb2.SPECULATION_MODE_ON,
+            # Tokens as the gateway gets them: a paced stream would hide the pause behind its buffer.
+            stream_smoothing=gateway_pb2.STREAM_SMOOTHING_OFF)
         ids: list[int] = []
         for chunk in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request, timeout=600):
             ids.extend(chunk.token_ids)
@@ -129,18 +133,23 @@ def main() -> None:
         for i, times in enumerate(arrivals):
             before = [t for t, _ in times if t <= killed_at]
             gaps = [b - a for a, b in zip(before, before[1:])]
-            after = next((t for t, _ in times if t > killed_at), None)
-            wait = None if after is None else after - killed_at
+            after = [t for t, _ in times if t > killed_at]
+            wait = after[0] - killed_at if after else None
+            # The longest pause after the kill: the wait, or a later one (a stream that got a
+            # token already in flight, then waited for its new target).
+            stall = max([wait, *(b - a for a, b in zip(after, after[1:]))]) if after else None
             got, want = results[i] or [], reference[i] or []
             first_difference = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b),
                                     None if len(got) == len(want) else min(len(got), len(want)))
-            rows.append({"stream": i, "wait_s": wait, "median_gap_s": statistics.median(gaps) if gaps else None,
+            rows.append({"stream": i, "wait_s": wait, "stall_s": stall,
+                         "median_gap_s": statistics.median(gaps) if gaps else None,
                          "tokens_at_kill": sum(n for t, n in times if t <= killed_at),
                          "first_difference": first_difference, "error": errors.get(i)})
         waits = [r["wait_s"] for r in rows if r["wait_s"] is not None]
+        stalls = [r["stall_s"] for r in rows if r["stall_s"] is not None]
         summary = {"target_model": args.target_model, "targets": args.targets, "drafts": args.drafts,
                    "streams": args.streams, "victim_sessions": victim["sessions"], "wait_s_max": max(waits),
-                   "wait_s_median": statistics.median(waits),
+                   "wait_s_median": statistics.median(waits), "stall_s_max": max(stalls),
                    "all_same_tokens": all(r["first_difference"] is None for r in rows), "rows": rows}
         print(json.dumps(summary, indent=2))
         if args.json:
