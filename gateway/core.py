@@ -3,7 +3,8 @@
 It owns what requests share (served model, validator, admission control, upstream clients,
 metrics, health monitor) and turns client fields into a ready-to-start
 :class:`gateway.generation.Generation`. Requests refused before any session exists are counted
-here in ``tandem_requests_total{status}`` as ``invalid`` or ``rejected`` (overload, shutdown); the others are counted
+here in ``tandem_requests_total{status}`` as ``invalid``, ``rejected`` (overload, shutdown) or
+``unauthenticated`` (no valid API key, :mod:`gateway.auth`); the others are counted
 by their generation as ``stop``, ``length``, ``error`` or ``abort`` (the client went away).
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.admission import AdmissionControl
+from gateway.auth import ApiKeys
 from gateway.errors import InvalidRequest, Overloaded, ShuttingDown
 from gateway.deps import GenerationDeps
 from gateway.generation import Generation
@@ -41,8 +43,13 @@ class GatewayCore:
         validator: RequestValidator,
         admission: AdmissionControl,
         monitor: UpstreamMonitor,
+        keys: ApiKeys | None = None,
+        metrics_auth: bool = False,
     ) -> None:
         self.model = model
+        # Who may call (gateway.auth): no keys, everybody.
+        self.keys = keys if keys is not None else ApiKeys()
+        self.metrics_auth = metrics_auth
         self.deps = deps
         self.validator = validator
         self.admission = admission
@@ -96,6 +103,10 @@ class GatewayCore:
 
     def _in_flight(self) -> list[Generation]:
         return [g for g in self._live if not g.closed]
+
+    def count_unauthenticated(self) -> None:
+        """Counts a request refused for want of a valid API key."""
+        self.metrics.requests.labels(status="unauthenticated").inc()
 
     def count_invalid(self) -> None:
         """Counts a request refused as invalid before it reached :meth:`open`."""

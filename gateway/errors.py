@@ -11,6 +11,8 @@ Status choices (documented once, here):
 * an unknown model is **404** ``invalid_request_error`` with code ``model_not_found``, as OpenAI's
   API and vLLM answer it (DESIGN §4.3; the SDKs raise their NotFoundError); over gRPC it is bad
   input like the rest, ``INVALID_ARGUMENT``.
+* a missing or wrong API key (where keys are required) is **401** ``invalid_request_error`` with
+  code ``invalid_api_key``, as OpenAI answers it / ``UNAUTHENTICATED``.
 * too many requests in flight is **429** / ``RESOURCE_EXHAUSTED``.
 * an unreachable upstream (target or draft service), or a gateway that is shutting down, is
   **503** / ``UNAVAILABLE``; any other upstream failure is **502** / ``INTERNAL``.
@@ -105,3 +107,14 @@ class TargetLost(UpstreamUnavailable):
         super().__init__(message, code="upstream_unavailable")
         self.reason = reason
         self.address = address
+
+
+class Unauthenticated(GatewayError):
+    """A request without a valid API key, where the gateway requires one (:mod:`gateway.auth`)."""
+
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.chat_template import ChatMessage
 from gateway.core import GatewayCore
 from gateway.errors import GatewayError, InvalidRequest
@@ -157,8 +158,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 
 def build_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, Health, int]:
-    """The gRPC server (not started yet), its health servicer (NOT_SERVING until told), and the bound port."""
-    server = make_server()
+    """The gRPC server (not started yet), its health servicer (NOT_SERVING until told), and the bound
+    port. With API keys, GatewayService calls need one (health and reflection stay open)."""
+    keyed = [ApiKeyInterceptor(core.keys, SERVICE_NAME, core.count_unauthenticated)] if core.keys.enabled else []
+    server = make_server(keyed)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server)
     health = Health(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])

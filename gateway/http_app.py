@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tandem
 from gateway import openai_api
 from gateway.core import GatewayCore
-from gateway.errors import GatewayError, openai_error
+from gateway.errors import GatewayError, Unauthenticated, openai_error
 from gateway.http_util import ClientDisconnected, ClosingStreamingResponse, cancel_on_disconnect, invalid_body
 from gateway.openai_api import ResponseMeta
 from gateway.protocol import (
@@ -45,7 +45,9 @@ _OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 
 
 def error_response(error: GatewayError) -> JSONResponse:
-    return JSONResponse(error.to_openai(), status_code=error.http_status)
+    # RFC 9110: a 401 says which scheme would do.
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthenticated) else None
+    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
 
 
 def _without_framework_tracing() -> dict[str, Any]:
@@ -60,6 +62,16 @@ def _without_framework_tracing() -> dict[str, Any]:
 def create_app(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="tandem gateway", version=tandem.__version__, **_without_framework_tracing())
     started = int(time.time())
+
+    async def authorized(request: Request) -> None:
+        """Refuses a request without a valid API key when the gateway has keys (gateway.auth)."""
+        try:
+            core.keys.check(request.headers.get("authorization"))
+        except Unauthenticated:
+            core.count_unauthenticated()
+            raise
+
+    keyed = [Depends(authorized)]
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -76,12 +88,12 @@ def create_app(core: GatewayCore) -> FastAPI:
         body = openai_error(str(exc.detail), error_type, code=str(exc.status_code))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         meta = ResponseMeta("chat", core.model.name, body.include_usage)
         return await _generate(core, body.to_fields, meta, body.stream, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         meta = ResponseMeta("completion", core.model.name, body.include_usage)
         return await _generate(core, body.to_fields, meta, body.stream, request)
@@ -89,11 +101,11 @@ def create_app(core: GatewayCore) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=core.model.name, created=started, max_model_len=core.model.max_context_len)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, dependencies=keyed)
     async def models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=keyed)
     async def model(model_id: str) -> ModelCard | JSONResponse:
         if model_id != core.model.name:
             # A lookup of a resource that does not exist: 404, as OpenAI answers it.
@@ -113,7 +125,7 @@ def create_app(core: GatewayCore) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed if core.metrics_auth else [])
     async def metrics() -> Response:
         return Response(generate_latest(core.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

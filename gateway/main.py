@@ -23,6 +23,7 @@ import grpc
 import uvicorn
 
 from gateway.admission import AdmissionControl
+from gateway.auth import ApiKeys
 from gateway.breaker import BreakerConfig, DraftBreaker
 from gateway.core import GatewayCore
 from gateway.deps import GenerationDeps, SessionTuning
@@ -115,6 +116,7 @@ async def start_gateway(
         max_context_len = await asyncio.to_thread(config_context_len, spec)
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
 
+    keys = _api_keys(settings)
     targets, drafts = _pools(settings)
     monitor = UpstreamMonitor(targets, drafts, model, settings.resolve_interval_s)
     metrics = make_metrics("gateway")
@@ -137,6 +139,8 @@ async def start_gateway(
         RequestValidator(model, settings.default_max_tokens),
         AdmissionControl(settings.max_concurrent_requests),
         monitor,
+        keys,
+        settings.metrics_auth,
     )
 
     sock = _bind_http_socket(settings.host, settings.http_port)
@@ -174,6 +178,21 @@ async def start_gateway(
     monitor_task = asyncio.create_task(monitor.watch(health_interval_s))
     return RunningGateway(core, http_port, grpc_port, http, http_task, grpc_server, health, monitor_task,
                           (targets, drafts))
+
+
+def _api_keys(settings: GatewaySettings) -> ApiKeys:
+    """The keys clients must send; logged by id only (gateway.auth)."""
+    try:
+        keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
+    except OSError as exc:
+        raise SystemExit(f"tandem gateway: error: --api-key-file: cannot read {settings.api_key_file}: "
+                         f"{exc.strerror}") from None
+    if keys.enabled:
+        log.info("clients must send one of %d API keys (Authorization: Bearer KEY)%s", len(keys),
+                 "; /metrics too" if settings.metrics_auth else "; /metrics and /health are open")
+    elif settings.metrics_auth:
+        log.warning("--metrics-auth without any API key: /metrics stays open")
+    return keys
 
 
 def _pools(settings: GatewaySettings) -> tuple[Pool[GrpcTarget], Pool[GrpcDraft]]:

@@ -36,6 +36,11 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         default = field.default
         help_text = f"{field.description or ''} (env TANDEM_{name.upper()}; default {default!r})"
         flag = "--" + name.replace("_", "-")
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("repeatable"):  # e.g. --api-key A --api-key B: the setting gets "A,B"
+            parser.add_argument(str(extra["flag"]), dest=name, action="append", default=argparse.SUPPRESS,
+                                help=f"{field.description or ''} (env TANDEM_{name.upper()})", metavar="VALUE")
+            continue
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
@@ -45,7 +50,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
 def settings_from(args: argparse.Namespace, settings_cls: type[BaseSettings]) -> Any:
     """The settings of the flags given and the environment; a bad value exits with status 2 and
     one line per problem naming the flag, as argparse does for its own errors."""
-    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields}
+    given = {k: ",".join(v) if isinstance(v, list) else v for k, v in vars(args).items()
+             if k in settings_cls.model_fields}
     try:
         return settings_cls(**given)
     except ValidationError as exc:

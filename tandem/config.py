@@ -56,6 +56,19 @@ def _model_field(name: str, default: str, description: str):
     )
 
 
+def _api_keys_field():
+    """``--api-key KEY`` (repeatable) / ``TANDEM_API_KEYS`` (comma-separated): kept out of the
+    settings' repr, so a logged settings object shows no key."""
+    return Field(
+        "",
+        description="an API key clients must send (Authorization: Bearer KEY); repeat the flag for several "
+        "(env TANDEM_API_KEYS, comma-separated); none: no key required",
+        validation_alias=AliasChoices("api_keys", "TANDEM_API_KEYS"),
+        repr=False,
+        json_schema_extra={"flag": "--api-key", "repeatable": True},
+    )
+
+
 class _Base(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", populate_by_name=True)
 
@@ -227,6 +240,10 @@ class GatewaySettings(_Base):
     )
     draft_breaker_cooldown_s: float = Field(2.0, ge=0.0, description="seconds an open draft breaker waits to probe")
     draft_breaker_failures: int = Field(3, ge=1, description="failed Speculate calls in a row that open the breaker")
+    # Who may use the gateway (gateway.auth)
+    api_keys: str = _api_keys_field()
+    api_key_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
+    metrics_auth: bool = Field(False, description="require an API key for /metrics too")
     # Pools and failover (gateway.pool, gateway.target_session)
     target_timeout_s: float = Field(
         10.0, gt=0.0,
@@ -257,6 +274,9 @@ class ServeSettings(_Base):
     draft_metrics_port: int = Field(PORTS["draft_metrics"], description="draft Prometheus port")
     target_metrics_port: int = Field(PORTS["target_metrics"], description="target Prometheus port")
     ready_timeout_s: float = Field(900.0, description="give up when the stack is not ready by then")
+    api_keys: str = _api_keys_field()
+    api_key_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
+    metrics_auth: bool = Field(False, description="require an API key for the gateway's /metrics too")
     targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
     drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")

@@ -157,8 +157,14 @@ def commands(s: ServeSettings, fleet: Fleet) -> list[tuple[str, list[str], str]]
     out.append(("gateway", [*py, "gateway", *common, *served, "--target-model", s.target_model,
                             "--target-address", fleet.target_addresses, "--draft-address", fleet.draft_addresses,
                             "--http-port", str(fleet.http_port), "--grpc-port", str(fleet.grpc_port), *k,
-                            "--stream-smoothing", s.stream_smoothing], fleet.gateway_address))
+                            "--stream-smoothing", s.stream_smoothing, *_auth_flags(s)], fleet.gateway_address))
     return out
+
+
+def _auth_flags(s: ServeSettings) -> list[str]:
+    """The gateway's API key flags but the keys themselves (they go in its environment)."""
+    flags = ["--api-key-file", s.api_key_file] if s.api_key_file else []
+    return [*flags, "--metrics-auth"] if s.metrics_auth else flags
 
 
 def ready_block(s: ServeSettings, fleet: Fleet) -> str:
@@ -189,6 +195,8 @@ def ready_block(s: ServeSettings, fleet: Fleet) -> str:
             about = f"{draft_about}   " if m in fleet.drafts else ""
             lines.append(row(f"{m.name} gRPC", f"{fleet.address(m)}   {about}metrics {metrics(m.metrics_port)}"))
         lines.append(row("metrics", f"http://{h}:{fleet.http_port}/metrics   (gateway)"))
+    if s.api_keys or s.api_key_file:
+        lines.append(row("API keys", "required (Authorization: Bearer KEY)"))
     lines += ["Press Ctrl-C to stop.", ""]
     return "\n".join(lines)
 

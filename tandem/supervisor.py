@@ -70,6 +70,9 @@ class Child:
     started_at: float = 0.0  # time.monotonic() of the last start
     restart_at: float | None = None  # when a child that exited is due to start again
     backoff: Backoff = field(default_factory=Backoff, repr=False)
+    # Settings passed in the environment rather than the command line, which any local user can
+    # read (`ps`): the gateway's API keys.
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def role(self) -> str:
@@ -81,7 +84,7 @@ class Child:
 
     def spawn(self) -> None:
         """Starts the child's command (again), telling it how often it was restarted."""
-        env = {**os.environ, RESTARTS_ENV: str(self.restarts)}
+        env = {**os.environ, **self.env, RESTARTS_ENV: str(self.restarts)}
         self.process = subprocess.Popen(self.argv, start_new_session=True, env=env)
         self.started_at, self.restart_at = time.monotonic(), None
 
@@ -90,7 +93,9 @@ def child_commands(s: ServeSettings, planned: Fleet | None = None) -> list[Child
     """The children with flags derived from the serve settings, in start order: targets, drafts,
     gateway (names, ports and command lines: :mod:`tandem.fleet`)."""
     planned = fleet.plan(s) if planned is None else planned
-    return [Child(name, argv, health) for name, argv, health in fleet.commands(s, planned)]
+    secret = {"TANDEM_API_KEYS": s.api_keys} if s.api_keys else {}
+    return [Child(name, argv, health, env=secret if name == "gateway" else {})
+            for name, argv, health in fleet.commands(s, planned)]
 
 
 def is_serving(address: str, timeout: float = 2.0) -> bool:

@@ -130,3 +130,26 @@ def test_a_stack_that_cannot_start_is_a_clear_error(tmp_path) -> None:
                       "--no-progress")
     with pytest.raises(SystemExit, match="tandem serve exited with"):
         bench.main(args)
+
+
+async def test_bench_sends_its_key_to_a_keyed_gateway_only(tokenizer, tiny_dir, prompts_file, tmp_path) -> None:  # noqa: F811
+    from tandem.tools.bench.client import key_hooks
+
+    json_path = tmp_path / "bench.json"
+    async with fake_stack(tokenizer, str(tiny_dir), api_keys="sk-bench") as stack:
+        refused = bench_args("--url", stack.base_url, "--prompts", str(prompts_file), "--max-tokens", "4",
+                             "--peer", "none", "--no-progress", "--limit", "1")
+        with pytest.raises(SystemExit, match="401"):
+            await asyncio.to_thread(bench.main, refused)
+        args = bench_args("--url", stack.base_url, "--prompts", str(prompts_file), "--max-tokens", "4",
+                          "--peer", "none", "--no-progress", "--limit", "1", "--api-key", "sk-bench",
+                          "--json", str(json_path))
+        assert await asyncio.to_thread(bench.main, args) == 0
+        await stack.wait_until_idle()
+    assert json.loads(json_path.read_text())["overall"]["speculative"]["requests"] == 1
+    import httpx
+
+    (hook,) = key_hooks("http://127.0.0.1:8000", "sk-x")["request"]
+    mine, other = httpx.Request("GET", "http://127.0.0.1:8000/v1/models"), httpx.Request("GET", "http://127.0.0.1:9/x")
+    hook(mine), hook(other)
+    assert mine.headers["authorization"] == "Bearer sk-x" and "authorization" not in other.headers

@@ -4,12 +4,13 @@ in-process peer, then the report."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import httpx
 
 from tandem.tools.bench.client import (
-    AUTOREGRESSIVE, SPECULATIVE, RequestOptions, parse_modes, parse_temperature, served_model,
+    AUTOREGRESSIVE, SPECULATIVE, RequestOptions, key_hooks, parse_modes, parse_temperature, served_model,
 )
 from tandem.tools.bench.peers import check_url, is_peer_mode, resolve_peers
 from tandem.tools.bench.prompts import PromptFileError, load_prompts
@@ -30,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--start-stack", action="store_true",
                        help="start a stack of its own even when a gateway answers on the default port")
     where.add_argument("--model", default=None, help="model id (default: the gateway's first model)")
+    where.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), metavar="KEY",
+                       help="the gateway's API key, sent to the --url gateway only (default: env TANDEM_API_KEY)")
     where.add_argument("--target-model", default="gemma-3-270m",
                        help="target SPEC of the started stack and of the peer (default gemma-3-270m)")
     where.add_argument(
@@ -118,7 +121,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _gateway_answers(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200
+        return httpx.get(f"{url}/v1/models", timeout=1.0).status_code in (200, 401)  # 401: it wants a key
     except httpx.HTTPError:
         return False
 
@@ -179,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
         own = _start_stack(args, k)
         url = own.url
     try:
-        with httpx.Client(timeout=10.0) as client:
+        with httpx.Client(timeout=10.0, event_hooks=key_hooks(url, args.api_key)) as client:
             model_id = args.model or served_model(client, url)
             peers = resolve_peers(client, args.peer_url, model_id)
         options = RequestOptions(model_id, args.max_tokens, args.temperature, args.stream_smoothing,

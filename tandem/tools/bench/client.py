@@ -143,6 +143,20 @@ def request_body(prompt: Prompt, mode: str, options: RequestOptions) -> dict:
     return body
 
 
+def key_hooks(url: str, api_key: str | None) -> dict[str, list]:
+    """httpx event hooks that send ``api_key`` to the gateway at ``url`` and to no other server
+    (the peers a run compares with get none)."""
+    if not api_key:
+        return {}
+    origin = httpx.URL(url)
+
+    def add_key(request: httpx.Request) -> None:
+        if (request.url.scheme, request.url.host, request.url.port) == (origin.scheme, origin.host, origin.port):
+            request.headers["Authorization"] = f"Bearer {api_key}"
+
+    return {"request": [add_key]}
+
+
 def stream_completion(client: httpx.Client, url: str, body: dict) -> Streamed:
     """POSTs ``body`` to ``{url}/v1/completions`` and reads the SSE stream to its end.
 
