@@ -63,10 +63,10 @@ class GatewayCore:
     def metrics(self) -> Metrics:
         return self.deps.metrics
 
-    def open(self, read_fields: Callable[[], RequestFields]) -> Generation:
+    def open(self, read_fields: Callable[[], RequestFields], key: str | None = None) -> Generation:
         """Validates and admits a request; raises InvalidRequest or Overloaded. ``read_fields``
         turns the transport's message into fields (and may refuse it too), so every refusal is
-        counted here. The caller must close the returned generation (``async with``) so that its
+        counted here. ``key``: the id of the request's API key, for its per-key limits. The caller must close the returned generation (``async with``) so that its
         admission slot is freed."""
         received_at = time.monotonic()
         if self._stopping:
@@ -78,7 +78,7 @@ class GatewayCore:
             self.count_invalid()
             raise
         try:
-            ticket = self.admission.admit()
+            ticket = self.admission.admit(key)
         except Overloaded:
             self.metrics.requests.labels(status="rejected").inc()
             raise

@@ -65,11 +65,16 @@ class ModelNotFound(InvalidRequest):
 
 
 class Overloaded(GatewayError):
-    """More requests are in flight than the gateway admits; the client may retry later."""
+    """More requests are in flight than the gateway admits; the client may retry later (after
+    ``retry_after_s`` when it is known)."""
 
     http_status = 429
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamUnavailable(GatewayError):

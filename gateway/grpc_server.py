@@ -19,7 +19,7 @@ import grpc
 from gateway.auth import ApiKeyInterceptor
 from gateway.chat_template import ChatMessage
 from gateway.core import GatewayCore
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.events import Finished, TextDelta, Usage
 from gateway.validation import RequestFields
 from tandem import telemetry
@@ -123,10 +123,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         outcome: _Outcome,
     ):
         try:
-            generation = self._core.open(lambda: fields_from_proto(request))
+            # The interceptor let only a valid key through; its id is the request's per-key share.
+            key = self._core.keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
+            generation = self._core.open(lambda: fields_from_proto(request), key)
         except GatewayError as exc:
             outcome.error = exc
-            await context.abort(exc.grpc_code, exc.message)
+            await context.abort(exc.grpc_code, exc.message, _pushback(exc))
         span.opened(generation.request, generation.session_id)
         async with generation:
             try:
@@ -143,7 +145,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             )
             except GatewayError as exc:
                 outcome.error = exc
-                await context.abort(exc.grpc_code, exc.message)
+                await context.abort(exc.grpc_code, exc.message, _pushback(exc))
             finally:
                 outcome.usage = outcome.usage or generation.usage
 
@@ -155,6 +157,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             num_speculative_tokens=info.num_speculative_tokens,
             max_context_len=info.max_context_len,
         )
+
+
+def _pushback(error: GatewayError) -> tuple[tuple[str, str], ...]:
+    """gRPC's retry pushback for an overload that says when to retry (a client's retry policy
+    honours it)."""
+    if isinstance(error, Overloaded) and error.retry_after_s is not None:
+        return (("grpc-retry-pushback-ms", str(max(1, round(error.retry_after_s * 1000)))),)
+    return ()
 
 
 def build_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, Health, int]:

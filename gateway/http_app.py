@@ -10,6 +10,7 @@ reports each) and ``GET /metrics`` (Prometheus text of the gateway's registry). 
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tandem
 from gateway import openai_api
 from gateway.core import GatewayCore
-from gateway.errors import GatewayError, Unauthenticated, openai_error
+from gateway.errors import GatewayError, Overloaded, Unauthenticated, openai_error
 from gateway.http_util import ClientDisconnected, ClosingStreamingResponse, cancel_on_disconnect, invalid_body
 from gateway.openai_api import ResponseMeta
 from gateway.protocol import (
@@ -45,9 +46,12 @@ _OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 
 
 def error_response(error: GatewayError) -> JSONResponse:
-    # RFC 9110: a 401 says which scheme would do.
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthenticated) else None
-    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
+    headers = {}
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 says which scheme would do
+    if isinstance(error, Overloaded) and error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers or None)
 
 
 def _without_framework_tracing() -> dict[str, Any]:
@@ -66,7 +70,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def authorized(request: Request) -> None:
         """Refuses a request without a valid API key when the gateway has keys (gateway.auth)."""
         try:
-            core.keys.check(request.headers.get("authorization"))
+            request.state.key_id = core.keys.check(request.headers.get("authorization"))
         except Unauthenticated:
             core.count_unauthenticated()
             raise
@@ -149,7 +153,7 @@ async def _generate(
     )
     try:
         with span.active():
-            generation = core.open(read_fields)
+            generation = core.open(read_fields, getattr(request.state, "key_id", None))
     except BaseException as exc:
         span.end(error=exc)
         raise

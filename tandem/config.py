@@ -244,6 +244,10 @@ class GatewaySettings(_Base):
     api_keys: str = _api_keys_field()
     api_key_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
     metrics_auth: bool = Field(False, description="require an API key for /metrics too")
+    max_concurrent_per_key: int = Field(0, ge=0, description="requests one API key may have in flight (0 = no limit)")
+    rate_limit_per_key: float = Field(
+        0.0, ge=0.0, description="requests a minute one API key may start, in bursts up to that many (0 = no limit)"
+    )
     # Pools and failover (gateway.pool, gateway.target_session)
     target_timeout_s: float = Field(
         10.0, gt=0.0,
@@ -277,6 +281,8 @@ class ServeSettings(_Base):
     api_keys: str = _api_keys_field()
     api_key_file: str | None = Field(None, description="a file of API keys, one per line (# comments)")
     metrics_auth: bool = Field(False, description="require an API key for the gateway's /metrics too")
+    max_concurrent_per_key: int = Field(0, ge=0, description="requests one API key may have in flight (0 = no limit)")
+    rate_limit_per_key: float = Field(0.0, ge=0.0, description="requests a minute one API key may start (0 = no limit)")
     targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
     drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")

@@ -164,6 +164,10 @@ def commands(s: ServeSettings, fleet: Fleet) -> list[tuple[str, list[str], str]]
 def _auth_flags(s: ServeSettings) -> list[str]:
     """The gateway's API key flags but the keys themselves (they go in its environment)."""
     flags = ["--api-key-file", s.api_key_file] if s.api_key_file else []
+    if s.max_concurrent_per_key:
+        flags += ["--max-concurrent-per-key", str(s.max_concurrent_per_key)]
+    if s.rate_limit_per_key:
+        flags += ["--rate-limit-per-key", f"{s.rate_limit_per_key:g}"]
     return [*flags, "--metrics-auth"] if s.metrics_auth else flags
 
 

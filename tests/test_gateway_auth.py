@@ -127,3 +127,71 @@ def test_tandem_serve_with_an_api_key(tiny_dir, tiny_draft_dir):
         for child in psutil.Process(stack.process.pid).children():
             assert key not in " ".join(child.cmdline())
         assert "API keys" in stack.log() and key not in stack.log()
+
+
+# ---- per-key limits -------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_key_gets_its_own_share_of_concurrency_and_rate():
+    from gateway.admission import AdmissionControl
+    from gateway.errors import Overloaded
+
+    clock = Clock()
+    control = AdmissionControl(10, per_key=2, rate_per_minute=3, clock=clock)
+    a1, a2 = control.admit("a"), control.admit("a")
+    with pytest.raises(Overloaded) as info:
+        control.admit("a")  # a third in flight
+    assert info.value.retry_after_s == 1.0 and "a (key id)" in info.value.message
+    b = control.admit("b")  # another key is not held back
+    a1.release()
+    a1.release()  # idempotent
+    a3 = control.admit("a")  # the third this minute
+    a3.release()
+    with pytest.raises(Overloaded) as info:
+        control.admit("a")  # room in flight, but past 3 a minute
+    assert info.value.code == "rate_limit_exceeded" and info.value.retry_after_s == pytest.approx(20.0)
+    clock.now = 20.0  # one request's worth refilled
+    a4 = control.admit("a")
+    for ticket in (a2, a4, b):
+        ticket.release()
+    assert control.in_flight == 0 and control.by_key == {}
+    assert AdmissionControl(1).admit(None)  # no keys: only the gateway's own limit
+
+
+async def test_http_and_grpc_refuse_a_key_past_its_share_with_a_retry_hint(tokenizer, tiny_dir):
+    import asyncio
+
+    async with fake_stack(tokenizer, str(tiny_dir), api_keys=KEYS, max_concurrent_per_key=1,
+                          token_delay=0.05) as stack:
+        first = {"Authorization": "Bearer sk-first-0123456789"}
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            body = {"prompt": "Once", "max_tokens": 20, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body, headers=first) as running:
+                assert running.status_code == 200
+                await asyncio.sleep(0.2)
+                refused = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=first)
+                assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+                other = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                          headers={"Authorization": "Bearer sk-second-abcdef"})
+                assert other.status_code == 200
+                async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+                    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                    call = stub.Generate(gateway_pb2.GatewayServiceGenerateRequest(prompt="x", max_tokens=2),
+                                         metadata=(("authorization", "Bearer sk-first-0123456789"),))
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        async for _ in call:
+                            pass
+                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
+                async for _ in running.aiter_bytes():
+                    pass
+        await stack.wait_until_idle()
+        assert stack.gateway.core.admission.by_key == {}
