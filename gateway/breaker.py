@@ -101,10 +101,12 @@ class DraftBreaker:
             else:
                 self._opened_at = self._clock()  # still down: the cooldown restarts
             return
-        self._seen_serving = True
+        first, self._seen_serving = not self._seen_serving, True
         cooled = self._opened_by_probe or self._clock() - self._opened_at >= self._cooldown_s
         if self.state is BreakerState.OPEN and cooled:
-            log.info("draft service answers its health check again: new sessions may speculate (half-open)")
+            # At start-up (never serving before) that is no recovery worth a line.
+            log.log(logging.DEBUG if first else logging.INFO,
+                    "draft service answers its health check again: new sessions may speculate (half-open)")
             self.state = BreakerState.HALF_OPEN
 
     def _open(self, why: str, quiet: bool = False) -> None:

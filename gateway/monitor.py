@@ -158,7 +158,8 @@ class UpstreamMonitor:
 
     @staticmethod
     def _set(member: Member[Any], serving: bool, detail: str) -> None:
-        if serving and member.serving is False and member.detail != "not checked yet":
+        if serving and member.serving is False and member.was_serving:
             log.info("%s is serving again: back in the pool", member.address)
+        member.was_serving = member.was_serving or serving
         member.serving = serving
         member.detail = detail

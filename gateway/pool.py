@@ -44,6 +44,7 @@ class Member(Generic[U]):
     foreign_sessions: int = 0  # other gateways' sessions here, as of the member's last Info
     queued: int = 0  # passes waiting in the member (targets)
     leaving: bool = False  # gone from DNS: no new sessions
+    was_serving: bool = False  # ever found serving (a member that comes back after that is logged)
     breaker: DraftBreaker | None = None  # drafts: this member's circuit breaker
     # Target sessions the gateway could not release here (the member was down): sent when it is back.
     owed_releases: set[str] = field(default_factory=set)
