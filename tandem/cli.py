@@ -21,6 +21,9 @@ from pydantic_settings import BaseSettings  # noqa: E402
 
 from tandem import config  # noqa: E402
 
+# The name a service's log lines carry (set by tandem serve's supervisor for its children).
+LOG_NAME_ENV = "TANDEM_LOG_NAME"
+
 
 def _flag_type(annotation: Any) -> Any:
     if get_origin(annotation) is not None:  # Optional[X] / X | None
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args, args.settings_cls)
     from tandem.telemetry.logs import setup_logging
 
-    setup_logging(args.command, settings.log_level)
+    # Under `tandem serve --targets N`, the supervisor names each child (target-0, target-1, ...).
+    setup_logging(os.environ.get(LOG_NAME_ENV) or args.command, settings.log_level)
     if args.command == "serve":
         from tandem.supervisor import serve
 

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem import fleet, models
+from tandem.cli import LOG_NAME_ENV
 from tandem.config import ServeSettings
 from tandem.fleet import Fleet, FleetError, connect_host  # noqa: F401 (connect_host: re-exported)
 from tandem.telemetry.metrics import RESTARTS_ENV
@@ -94,7 +95,7 @@ def child_commands(s: ServeSettings, planned: Fleet | None = None) -> list[Child
     gateway (names, ports and command lines: :mod:`tandem.fleet`)."""
     planned = fleet.plan(s) if planned is None else planned
     secret = {"TANDEM_API_KEYS": s.api_keys} if s.api_keys else {}
-    return [Child(name, argv, health, env=secret if name == "gateway" else {})
+    return [Child(name, argv, health, env={LOG_NAME_ENV: name, **(secret if name == "gateway" else {})})
             for name, argv, health in fleet.commands(s, planned)]
 
 

@@ -101,11 +101,11 @@ def test_serve_hands_the_keys_to_the_gateway_in_its_environment(tmp_path):
     settings = ServeSettings(api_keys=KEYS, api_key_file=str(tmp_path / "more"), metrics_auth=True)
     children = {child.name: child for child in child_commands(settings)}
     gateway = children["gateway"]
-    assert gateway.env == {"TANDEM_API_KEYS": KEYS}
+    assert gateway.env == {"TANDEM_API_KEYS": KEYS, "TANDEM_LOG_NAME": "gateway"}
     assert not any(secret in " ".join(gateway.argv) for secret in KEYS.split(","))
     assert gateway.argv[gateway.argv.index("--api-key-file") + 1] == str(tmp_path / "more")
     assert "--metrics-auth" in gateway.argv
-    assert children["target"].env == {} and children["draft"].env == {}
+    assert children["target"].env == {"TANDEM_LOG_NAME": "target"} and "TANDEM_API_KEYS" not in children["draft"].env
     assert KEYS not in repr(settings)
 
 

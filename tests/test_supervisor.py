@@ -117,3 +117,12 @@ def test_stop_takes_the_gateway_then_the_drafts_then_the_targets(tmp_path: Path)
     assert stopped[0] == "gateway"
     assert sorted(stopped[1:3]) == ["draft-0", "draft-1"] and sorted(stopped[3:]) == ["target-0", "target-1"]
     assert all(c.exited() == 0 for c in supervisor.children)
+
+
+def test_each_child_of_a_fleet_logs_under_its_own_name():
+    from tandem.config import ServeSettings
+    from tandem.supervisor import child_commands
+
+    children = child_commands(ServeSettings(targets=2, drafts=1, target_port=0, draft_port=0, grpc_port=0,
+                                            http_port=0))
+    assert [c.env["TANDEM_LOG_NAME"] for c in children] == ["target-0", "target-1", "draft-0", "gateway"]
