@@ -33,7 +33,7 @@ from gateway.legs import DraftLegFailed, classify_draft_error, timed
 from gateway.output import Output
 from gateway.pool import Member
 from gateway.policy import Mode
-from gateway.request import GenerationRequest
+from gateway.request import GenerationRequest, Speculation
 from gateway.target_session import Resync, TargetSession
 from gateway.types import Batch
 from gateway.upstream import UpstreamStream
@@ -63,7 +63,8 @@ class LegReader:
 
     async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
         deps = self._deps
-        placement = deps.drafts.place(self.avoid_draft)
+        # A session that insists on speculation tries a draft even when none is known to serve.
+        placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON)
         if placement is None:
             error = UpstreamUnavailable(deps.drafts.unavailable(), code="upstream_unavailable")
             raise DraftLegFailed(DraftFailure.UNREACHABLE, error)

@@ -179,12 +179,13 @@ class Pool(Generic[U]):
     def usable(self) -> list[Member[U]]:
         return [m for m in self.members.values() if m.usable]
 
-    def place(self, avoid: frozenset[str] = frozenset()) -> Placement[U] | None:
+    def place(self, avoid: frozenset[str] = frozenset(), anyhow: bool = False) -> Placement[U] | None:
         """A placement on the least-loaded usable member not in ``avoid`` (addresses), else on
         any usable member. With none usable, a member that answers its health check but was
         found unfit (another tokenizer) gets it, so that its refusal reaches the client rather
-        than a vague "unavailable". None when there is no such member either."""
-        candidates = self._candidates()
+        than a vague "unavailable". ``anyhow``: failing all that, any member (a call the client
+        insists on, e.g. ``speculation: "on"``). None when there is no such member either."""
+        candidates = self._candidates() or ([m for m in self.members.values() if not m.leaving] if anyhow else [])
         preferred = [m for m in candidates if m.address not in avoid] or candidates
         if not preferred:
             return None

@@ -106,6 +106,9 @@ def test_a_draft_whose_breaker_is_open_takes_no_legs():
     assert {pool.place().address for _ in range(4)} == {"d1:1"}
     assert pool.can_place() and not pool.can_place(frozenset({"d1:1"}))
     assert pool.to_json()["members"][0]["breaker"] == "open"
+    pool.members["d1:1"].breaker.record_failure(DraftFailure.UNREACHABLE)
+    assert pool.place() is None  # no draft is known to serve ...
+    assert pool.place(anyhow=True) is not None  # ... but a session that insists on speculation tries one
 
 
 class FakeTarget(Client):
