@@ -89,35 +89,50 @@ def running_stack(
             "--num-speculative-tokens", str(k), "--host", host, *extra_args]
     for name, port in ports.items():
         argv += ["--" + name.replace("_", "-"), str(port)]
-    env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    stack = Stack(process=process, host=host, **ports)
+    output: list[str] = []
+    with serving(argv, {}, output, ready_timeout_s) as process:
+        yield Stack(process=process, host=host, output=output, **ports)
+
+
+def _clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment without its tandem settings (the cache stays), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"}
+    return {**env, **extra}
+
+
+@contextmanager
+def serving(argv: list[str], env: dict[str, str], output: list[str], ready_timeout_s: float) -> Iterator[subprocess.Popen]:
+    """Runs ``tandem serve`` (``argv``) until its ready block is printed whole, collecting its
+    output in ``output``; stops it (SIGINT, then SIGKILL to its process group) on the way out."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=_clean_env(env), start_new_session=True)
     ready = threading.Event()
 
     def pump() -> None:
         assert process.stdout is not None
         for line in process.stdout:
-            stack.output.append(line)
-            if "tandem is ready" in line:
+            output.append(line)
+            if "Press Ctrl-C to stop." in line:
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + ready_timeout_s
     try:
         while not ready.is_set():
+            log = "".join(output[-200:])
             if process.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {process.returncode}:\n{stack.log()}")
+                raise RuntimeError(f"tandem serve exited with {process.returncode}:\n{log}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tandem serve not ready in {ready_timeout_s}s:\n{stack.log()}")
+                raise TimeoutError(f"tandem serve not ready in {ready_timeout_s}s:\n{log}")
             time.sleep(0.2)
-        yield stack
+        yield process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
 
@@ -259,35 +274,6 @@ def running_fleet(target_model: str, draft_model: str, targets: int, drafts: int
             "--num-speculative-tokens", str(k), "--targets", str(targets), "--drafts", str(drafts),
             "--http-port", "0", "--grpc-port", "0", "--target-port", "0", "--draft-port", "0",
             "--target-metrics-port", "0", "--draft-metrics-port", "0"]
-    child_env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**child_env, **(env or {})}, start_new_session=True)
-    fleet = Fleet(process, {})
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            fleet.output.append(line)
-            if "Press Ctrl-C to stop." in line:
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + ready_timeout_s
-    try:
-        while not ready.is_set():
-            if process.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {process.returncode}:\n{fleet.log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"tandem serve not ready in {ready_timeout_s}s:\n{fleet.log()}")
-            time.sleep(0.2)
-        fleet.addresses = read_ready_block("".join(fleet.output))
-        yield fleet
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    output: list[str] = []
+    with serving(argv, env or {}, output, ready_timeout_s) as process:
+        yield Fleet(process, read_ready_block("".join(output)), output)
