@@ -24,6 +24,7 @@ from draft_service.engine import DraftEngine
 from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
 from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
+from draft_service.target_client import TargetClient
 from draft_service.targets import TargetRouter
 from draft_service.types import TargetInfo
 from tandem import telemetry
@@ -33,6 +34,7 @@ from tandem.models.eagle import EagleCheckpointError
 from tandem.models.worker import ModelWorker
 from tandem.rpc import addresses
 from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
+from tandem.rpc.security import PLAINTEXT, HopSecurity, for_service
 from tandem.telemetry.logs import setup_logging
 from tandem.telemetry.metrics import Metrics, make_metrics, serve_metrics
 from tandem.v1 import draft_pb2_grpc
@@ -83,21 +85,23 @@ async def start_draft(
     metrics: Metrics | None = None,
     target_wait_s: float | None = 60.0,
     cut_blocks: bool = True,
+    security: HopSecurity = PLAINTEXT,
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
     ``target_address``: the pool, "host:port,..." (DNS names stand for all their addresses).
     Raises ValueError for a malformed list, TokenizerMismatchError, TargetUnavailableError (after
     ``target_wait_s``; None waits forever) or the proposer's loading error, after stopping what it
-    had started.
+    had started. ``security``: the TLS and internal token of its own port and of its calls to the targets.
     """
-    targets = TargetRouter(target_address)
-    server = make_server(telemetry.server_interceptors([telemetry.full_method(SERVICE_NAME, "Speculate")]))
+    targets = TargetRouter(target_address, connect=functools.partial(TargetClient, security=security))
+    server = make_server([*security.interceptors(SERVICE_NAME),
+                          *telemetry.server_interceptors([telemetry.full_method(SERVICE_NAME, "Speculate")])])
     servicer = DraftServicer()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
-    bound_port = bind(server, host, port)
+    bound_port = bind(server, host, port, security.server_credentials())
     await health.not_serving()
     await server.start()
     worker = ModelWorker("draft-model")
@@ -125,11 +129,12 @@ async def start_draft(
         worker.shutdown(wait=False)
         raise
     log.info(
-        "draft service (%s%s) serving on %s:%d, target %r; target pool: %s (default %s); blocks: %s",
+        "draft service (%s%s) serving on %s:%d, %s, target %r; target pool: %s (default %s); blocks: %s",
         proposer.kind,
         f" {proposer.model_name}" if proposer.model_name else "",
         host,
         bound_port,
+        security.describe(),
         target_info.model_name,
         ", ".join(targets.allowed),
         targets.default,
@@ -181,6 +186,7 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    security = for_service(settings, "draft")
     metrics = make_metrics("draft")
     serve_metrics(metrics, settings.host, settings.metrics_port)
     starting = asyncio.create_task(
@@ -193,6 +199,7 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
             metrics=metrics,
             target_wait_s=None,
             cut_blocks=settings.cut_blocks,
+            security=security,
         )
     )
     stopping = asyncio.create_task(stop.wait())

@@ -13,7 +13,8 @@ from draft_service import wire
 from draft_service.errors import ProtocolError, TargetUnavailableError
 from draft_service.types import ProposedBlock, TargetInfo, Verdict
 from tandem import telemetry
-from tandem.rpc.endpoints import insecure_channel
+from tandem.rpc.endpoints import CHANNEL_OPTIONS
+from tandem.rpc.security import PLAINTEXT, HopSecurity
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,13 @@ class GrpcVerifyStream:
 
 
 class TargetClient:
-    """One channel to one target (``address``): the draft keeps one per target of its pool."""
+    """One channel to one target (``address``): the draft keeps one per target of its pool.
+    ``server_name``: the name its certificate is checked against (the pool entry's host)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, server_name: str = "", security: HopSecurity = PLAINTEXT) -> None:
         self.address = address
-        self._channel = insecure_channel(address)
+        self._channel = security.aio_channel(address, CHANNEL_OPTIONS, server_name)
+        self._auth = security.call_metadata
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -112,18 +115,18 @@ class TargetClient:
             await asyncio.sleep(poll_s)
 
     async def info(self) -> TargetInfo:
-        reply = await self._stub.Info(target_pb2.TargetServiceInfoRequest(), timeout=30.0)
+        reply = await self._stub.Info(target_pb2.TargetServiceInfoRequest(), timeout=30.0, metadata=self._auth)
         return wire.target_info_from_response(reply)
 
     async def release(self, session_id: str) -> bool:
-        with telemetry.client_call(_RELEASE, self.address) as call:
+        with telemetry.client_call(_RELEASE, self.address, self._auth) as call:
             reply = await self._stub.Release(target_pb2.ReleaseRequest(session_id=session_id), metadata=call.metadata)
         return reply.released
 
     def open_verify_stream(self, session_id: str) -> GrpcVerifyStream:
         # The session id travels in every block; the metadata only labels the call (and carries
         # the trace context when tracing is on).
-        span = telemetry.client_call(_VERIFY, self.address, (("tandem-session-id", session_id),))
+        span = telemetry.client_call(_VERIFY, self.address, (("tandem-session-id", session_id), *self._auth))
         return GrpcVerifyStream(self._stub.Verify(metadata=span.metadata), span=span)
 
     async def close(self) -> None:

@@ -40,13 +40,14 @@ class TargetRouter:
         spec: str,
         *,
         lookup: addresses.Lookup = addresses.system_lookup,
-        connect: Callable[[str], TargetClient] = TargetClient,
+        connect: Callable[[str, str], TargetClient] = TargetClient,
     ) -> None:
         self.entries = addresses.parse(spec, "target address")  # ValueError on a malformed list
         self.default = self.entries[0].member()
         self._lookup = lookup
         self._connect = connect
-        self._members: list[str] = []  # the last resolution, in the order of the entries
+        # The last resolution, in the order of the entries: member -> the host name it was found under.
+        self._members: dict[str, str] = {}
         self._resolutions = 0  # completed resolutions: concurrent callers share one
         self._resolving = asyncio.Lock()
         self._clients: dict[str, TargetClient] = {}
@@ -73,7 +74,7 @@ class TargetRouter:
             log.warning("target pool: %s", problem)
         self._members = members
         self._resolutions += 1
-        return members
+        return list(members)
 
     async def client(self, address: str) -> TargetClient:
         """The channel to the target ``address`` names ("" = the default); UnknownTargetError when
@@ -94,7 +95,8 @@ class TargetRouter:
     def _client(self, address: str) -> TargetClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = self._connect(address)
+            name = self._members.get(address) or addresses.parse(address)[0].host
+            client = self._clients[address] = self._connect(address, name)
         return client
 
     async def wait_for_any(
@@ -109,7 +111,7 @@ class TargetRouter:
         started = last_log = last_resolve = time.monotonic()
         await self.resolve()
         while True:
-            candidates = self._members or [self.default]
+            candidates = list(self._members) or [self.default]
             states = await asyncio.gather(*(self._client(a).health_state() for a in candidates))
             for address, state in zip(candidates, states):
                 if state == SERVING:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from gateway.errors import Unauthenticated
+from tandem.rpc.security import refusing
 
 
 def key_id(key: str) -> str:
@@ -85,17 +86,5 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             self._keys.check(metadata.get("authorization"))
         except Unauthenticated as exc:
             self._on_refusal()
-            return _refusal(handler, exc.message)
+            return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, exc.message)
         return handler
-
-
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    shape = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse, **shape)
-    return grpc.unary_unary_rpc_method_handler(refuse, **shape)

@@ -167,12 +167,15 @@ def _pushback(error: GatewayError) -> tuple[tuple[str, str], ...]:
     return ()
 
 
-def build_grpc_server(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, Health, int]:
+def build_grpc_server(
+    core: GatewayCore, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, Health, int]:
     """The gRPC server (not started yet), its health servicer (NOT_SERVING until told), and the bound
-    port. With API keys, GatewayService calls need one (health and reflection stay open)."""
+    port (TLS with ``credentials``). With API keys, GatewayService calls need one (health and
+    reflection stay open)."""
     keyed = [ApiKeyInterceptor(core.keys, SERVICE_NAME, core.count_unauthenticated)] if core.keys.enabled else []
     server = make_server(keyed)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server)
     health = Health(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
-    return server, health, bind(server, host, port)
+    return server, health, bind(server, host, port, credentials)

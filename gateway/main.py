@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from gateway.validation import RequestValidator
 from tandem import telemetry
 from tandem.config import GatewaySettings
 from tandem.rpc.endpoints import Health
+from tandem.rpc.security import HopSecurity, SecurityError, for_service
 from tandem.telemetry.metrics import Metrics, make_metrics
 from tandem.models import default_served_name, load_tokenizer
 
@@ -117,7 +119,8 @@ async def start_gateway(
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
 
     keys = _api_keys(settings)
-    targets, drafts = _pools(settings)
+    security = _security(settings)
+    targets, drafts = _pools(settings, security)
     monitor = UpstreamMonitor(targets, drafts, model, settings.resolve_interval_s)
     metrics = make_metrics("gateway")
     for pool in (targets, drafts):
@@ -146,7 +149,8 @@ async def start_gateway(
 
     sock = _bind_http_socket(settings.host, settings.http_port)
     try:
-        grpc_server, health, grpc_port = build_grpc_server(core, settings.host, settings.grpc_port)
+        grpc_server, health, grpc_port = build_grpc_server(
+            core, settings.host, settings.grpc_port, security.server_credentials(settings.grpc_client_certs))
     except OSError:
         sock.close()
         raise
@@ -160,6 +164,8 @@ async def start_gateway(
         log_level=settings.log_level.lower(),
         log_config=None,
         lifespan="off",
+        ssl_certfile=settings.http_tls_cert,
+        ssl_keyfile=settings.http_tls_key,
     )
     http = _EmbeddedUvicorn(config)
     http_port = sock.getsockname()[1]
@@ -196,13 +202,34 @@ def _api_keys(settings: GatewaySettings) -> ApiKeys:
     return keys
 
 
-def _pools(settings: GatewaySettings) -> tuple[Pool[GrpcTarget], Pool[GrpcDraft]]:
+def _security(settings: GatewaySettings) -> HopSecurity:
+    """TLS of the gateway's two ports and of its calls to the pools; it refuses to serve either
+    port in plaintext beyond loopback without --insecure (tandem.rpc.security)."""
+    for flag, path in (("--http-tls-cert", settings.http_tls_cert), ("--http-tls-key", settings.http_tls_key)):
+        if path and not os.access(path, os.R_OK):
+            raise SystemExit(f"tandem gateway: error: {flag}: cannot read {path}")
+    if bool(settings.http_tls_cert) != bool(settings.http_tls_key):
+        raise SystemExit("tandem gateway: error: --http-tls-cert and --http-tls-key go together: give both or neither")
+    try:
+        grpc_tls = HopSecurity.from_settings(settings).serves_tls
+    except SecurityError as exc:
+        raise SystemExit(f"tandem gateway: error: {exc}") from None
+    security = for_service(settings, "gateway", protected=grpc_tls and bool(settings.http_tls_cert))
+    if settings.http_tls_cert or grpc_tls or security.dials_tls or security.token:
+        log.info("gateway ports: HTTP %s, gRPC %s; calls to draft and target: %s%s",
+                 "HTTPS" if settings.http_tls_cert else "plaintext",
+                 ("mutual TLS" if security.ca and settings.grpc_client_certs else "TLS") if grpc_tls else "plaintext",
+                 "TLS" if security.dials_tls else "plaintext", " + internal token" if security.token else "")
+    return security
+
+
+def _pools(settings: GatewaySettings, security: HopSecurity) -> tuple[Pool[GrpcTarget], Pool[GrpcDraft]]:
     """The target and draft pools of ``--target-address`` / ``--draft-address`` (ValueError for a
     malformed list); each draft member has its own circuit breaker."""
     breaker = BreakerConfig.from_settings(settings)
-    targets = Pool("target", settings.target_address, GrpcTarget, close=GrpcTarget.close)
-    drafts = Pool("draft", settings.draft_address, GrpcDraft, breaker=lambda: DraftBreaker(breaker),
-                  close=GrpcDraft.close)
+    targets = Pool("target", settings.target_address, partial(GrpcTarget, security=security), close=GrpcTarget.close)
+    drafts = Pool("draft", settings.draft_address, partial(GrpcDraft, security=security),
+                  breaker=lambda: DraftBreaker(breaker), close=GrpcDraft.close)
     return targets, drafts
 
 

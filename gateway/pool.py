@@ -106,13 +106,14 @@ class Pool(Generic[U]):
         self,
         role: str,
         spec: str,
-        connect: Callable[[str], U],
+        connect: Callable[[str, str], U],
         *,
         lookup: addresses.Lookup = addresses.system_lookup,
         breaker: Callable[[], DraftBreaker] | None = None,
         close: Callable[[U], Awaitable[None]] | None = None,
     ) -> None:
-        """``connect``: a client for an address; ``breaker``: a new breaker per member (drafts);
+        """``connect``: a client for an address and the host name it was found under (what its
+        TLS certificate names); ``breaker``: a new breaker per member (drafts);
         ``close``: how to close a client of a member that left. Raises ValueError for a bad spec."""
         self.role = role
         self.spec = spec
@@ -128,24 +129,24 @@ class Pool(Generic[U]):
         self.on_sessions: Callable[[Member[U]], None] = lambda member: None
         if all(entry.literal for entry in self._entries):  # known now: no need to wait for DNS
             for entry in self._entries:
-                self._add(entry.member())
+                self._add(entry.member(), entry.host)
 
     @classmethod
     def of(cls, role: str, members: dict[str, U], breaker: Callable[[], DraftBreaker] | None = None) -> Pool[U]:
         """A fixed pool of ready clients (tests, in-process stacks): ``{address: client}``."""
         pool = cls.__new__(cls)
         pool.role, pool.spec, pool._entries = role, ",".join(members), []
-        pool._connect, pool._lookup, pool._breaker, pool._close = members.__getitem__, _no_lookup, breaker, None
+        pool._connect, pool._lookup, pool._breaker, pool._close = (lambda address, _: members[address]), _no_lookup, breaker, None
         pool.members, pool._turn, pool._problems = {}, itertools.count(), []
         pool.on_sessions = lambda member: None
         for address in members:
-            pool._add(address).serving = True
+            pool._add(address, address).serving = True
         return pool
 
-    def _add(self, address: str) -> Member[U]:
+    def _add(self, address: str, name: str) -> Member[U]:
         if address not in self.members:
             breaker = self._breaker() if self._breaker is not None else None
-            self.members[address] = Member(address, self._connect(address), breaker=breaker)
+            self.members[address] = Member(address, self._connect(address, name), breaker=breaker)
         return self.members[address]
 
     async def resolve(self) -> None:
@@ -158,11 +159,11 @@ class Pool(Generic[U]):
             if problem not in self._problems:
                 log.warning("%s pool: %s", self.role, problem)
         self._problems = problems
-        for address in found:
+        for address, name in found.items():
             member = self.members.get(address)
             if member is None:
                 log.info("%s pool: %s joins", self.role, address)
-                self._add(address)
+                self._add(address, name)
             elif member.leaving:
                 member.leaving = False
         for address, member in list(self.members.items()):

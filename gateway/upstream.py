@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.errors import GatewayError, InvalidRequest, Overloaded, TargetLost, UpstreamFailure, UpstreamUnavailable
 from tandem import telemetry
 from tandem.rpc.endpoints import CHANNEL_OPTIONS
+from tandem.rpc.security import PLAINTEXT, HopSecurity
 from tandem.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 T = TypeVar("T")
@@ -120,13 +121,15 @@ class GrpcStream(Generic[T]):
 
 
 class _GrpcUpstream:
-    """A channel to one upstream plus the standard health check every tandem service serves."""
+    """A channel to one upstream plus the standard health check every tandem service serves.
+    ``server_name``: the name its certificate is checked against (the pool entry's host)."""
 
     service = ""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, server_name: str = "", security: HopSecurity = PLAINTEXT) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+        self._channel = security.aio_channel(address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS], server_name)
+        self._auth = security.call_metadata
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def is_serving(self, timeout: float) -> bool:
@@ -138,7 +141,8 @@ class _GrpcUpstream:
 
     async def _unary(self, method, request, timeout: float | None = None, traced_as: str = ""):
         """Calls ``method``; ``traced_as`` (the full method name) gives the call a CLIENT span."""
-        call = telemetry.client_call(traced_as, self.address) if traced_as else telemetry.ClientCall(None, None)
+        call = (telemetry.client_call(traced_as, self.address, self._auth) if traced_as
+                else telemetry.ClientCall(None, self._auth or None))
         with call:
             try:
                 return await method(request, timeout=timeout, metadata=call.metadata)
@@ -147,7 +151,7 @@ class _GrpcUpstream:
                 raise translate(self.service, self.address, exc) from exc
 
     def _stream(self, method, request, traced_as: str) -> GrpcStream:
-        call = telemetry.client_call(traced_as, self.address)
+        call = telemetry.client_call(traced_as, self.address, self._auth)
         return GrpcStream(method(request, metadata=call.metadata), self.service, self.address, call)
 
     async def close(self) -> None:
@@ -157,8 +161,8 @@ class _GrpcUpstream:
 class GrpcTarget(_GrpcUpstream):
     service = "target"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, server_name: str = "", security: HopSecurity = PLAINTEXT) -> None:
+        super().__init__(address, server_name, security)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def info(self, timeout: float) -> target_pb2.TargetServiceInfoResponse:
@@ -180,8 +184,8 @@ class GrpcTarget(_GrpcUpstream):
 class GrpcDraft(_GrpcUpstream):
     service = "draft"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, server_name: str = "", security: HopSecurity = PLAINTEXT) -> None:
+        super().__init__(address, server_name, security)
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
     async def info(self, timeout: float) -> draft_pb2.DraftServiceInfoResponse:

@@ -69,10 +69,37 @@ def _api_keys_field():
     )
 
 
+def _internal_token_field():
+    return Field(
+        "",
+        description="a shared secret every call between tandem services carries; draft and target refuse calls "
+        "without it (UNAUTHENTICATED). Prefer the env twin: a flag shows in the process list",
+        repr=False,
+    )
+
+
 class _Base(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", populate_by_name=True)
 
     host: str = Field("127.0.0.1", description="address to bind")
+    # Securing the gRPC hops (tandem.rpc.security; docs/security.md)
+    tls_cert: str | None = Field(
+        None, description="PEM certificate (chain) this service presents: as a gRPC server, and to the services "
+        "it calls when they require client certificates"
+    )
+    tls_key: str | None = Field(None, description="the PEM private key of --tls-cert")
+    tls_ca: str | None = Field(
+        None, description="PEM CA bundle the certificates of the services it calls must be signed by; on a server "
+        "with --tls-cert and --tls-key it also makes TLS mutual (callers need a certificate it signed)"
+    )
+    tls_server_name: str | None = Field(
+        None, description="the name the certificates of the services it calls are issued to, when it is not the "
+        "host of their address"
+    )
+    internal_token: str = _internal_token_field()
+    insecure: bool = Field(
+        False, description="serve plaintext on a --host other machines can reach (refused without it)"
+    )
     log_level: str = Field("info", description="debug, info, warning, error")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: str = Field(
@@ -262,6 +289,12 @@ class GatewaySettings(_Base):
     resolve_interval_s: float = Field(
         10.0, gt=0.0, description="seconds between DNS re-resolutions of the pools' names"
     )
+    http_tls_cert: str | None = Field(None, description="serve HTTPS with this PEM certificate (chain)")
+    http_tls_key: str | None = Field(None, description="the PEM private key of --http-tls-cert")
+    grpc_client_certs: bool = Field(
+        True, description="with --tls-ca, the gateway's own gRPC port requires client certificates as the internal "
+        "hops do (--no-grpc-client-certs: TLS only, clients prove themselves with API keys)"
+    )
 
 
 class ServeSettings(_Base):
@@ -286,3 +319,5 @@ class ServeSettings(_Base):
     targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
     drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")
+    http_tls_cert: str | None = Field(None, description="the gateway serves HTTPS with this PEM certificate (chain)")
+    http_tls_key: str | None = Field(None, description="the PEM private key of --http-tls-cert")

@@ -141,7 +141,7 @@ def free_ports(host: str, count: int, avoid: set[int]) -> list[int]:
 def commands(s: ServeSettings, fleet: Fleet) -> list[tuple[str, list[str], str]]:
     """(name, argv, health address) per child in start order: targets, drafts, gateway."""
     py = [sys.executable, "-m", "tandem.cli"]
-    common = ["--host", s.host, "--log-level", s.log_level]
+    common = ["--host", s.host, "--log-level", s.log_level, *_tls_flags(s)]
     device = ["--device", s.device, "--dtype", s.dtype]
     served = ["--served-model-name", s.served_model_name] if s.served_model_name else []
     draft_model = models.resolve_draft_spec(s.draft_model, s.target_model)
@@ -161,9 +161,19 @@ def commands(s: ServeSettings, fleet: Fleet) -> list[tuple[str, list[str], str]]
     return out
 
 
+def _tls_flags(s: ServeSettings) -> list[str]:
+    """Every child's TLS flags (paths, not secrets; the internal token goes in the environment)."""
+    given = {"--tls-cert": s.tls_cert, "--tls-key": s.tls_key, "--tls-ca": s.tls_ca,
+             "--tls-server-name": s.tls_server_name}
+    flags = [part for flag, value in given.items() if value for part in (flag, value)]
+    return [*flags, "--insecure"] if s.insecure else flags
+
+
 def _auth_flags(s: ServeSettings) -> list[str]:
     """The gateway's API key flags but the keys themselves (they go in its environment)."""
     flags = ["--api-key-file", s.api_key_file] if s.api_key_file else []
+    if s.http_tls_cert and s.http_tls_key:
+        flags += ["--http-tls-cert", s.http_tls_cert, "--http-tls-key", s.http_tls_key]
     if s.max_concurrent_per_key:
         flags += ["--max-concurrent-per-key", str(s.max_concurrent_per_key)]
     if s.rate_limit_per_key:
@@ -186,27 +196,30 @@ def ready_block(s: ServeSettings, fleet: Fleet) -> str:
     def row(label: str, text: str) -> str:
         return f"  {label:<{width}}  {text}"
 
-    lines = ["", "tandem is ready", row("OpenAI API", f"http://{h}:{fleet.http_port}/v1   (model: {model})"),
+    scheme = "https" if s.http_tls_cert else "http"
+    lines = ["", "tandem is ready", row("OpenAI API", f"{scheme}://{h}:{fleet.http_port}/v1   (model: {model})"),
              row("gateway gRPC", f"{fleet.gateway_address}   (tandem.v1.GatewayService)")]
     if fleet.single:  # as it always was
         (draft,), (target,) = fleet.drafts, fleet.targets
         lines += [row("draft gRPC", f"{fleet.address(draft)}   {draft_about}"),
                   row("target gRPC", fleet.address(target)),
-                  row("metrics", f"http://{h}:{fleet.http_port}/metrics  {metrics(draft.metrics_port)}  "
+                  row("metrics", f"{scheme}://{h}:{fleet.http_port}/metrics  {metrics(draft.metrics_port)}  "
                       + metrics(target.metrics_port))]
     else:
         for m in members:
             about = f"{draft_about}   " if m in fleet.drafts else ""
             lines.append(row(f"{m.name} gRPC", f"{fleet.address(m)}   {about}metrics {metrics(m.metrics_port)}"))
-        lines.append(row("metrics", f"http://{h}:{fleet.http_port}/metrics   (gateway)"))
+        lines.append(row("metrics", f"{scheme}://{h}:{fleet.http_port}/metrics   (gateway)"))
     if s.api_keys or s.api_key_file:
         lines.append(row("API keys", "required (Authorization: Bearer KEY)"))
+    if s.tls_cert:
+        lines.append(row("gRPC TLS", "mutual (client certificates signed by --tls-ca)" if s.tls_ca else "on"))
     lines += ["Press Ctrl-C to stop.", ""]
     return "\n".join(lines)
 
 
 _GRPC_LINE = re.compile(r"^\s+(gateway|(?:target|draft)(?:-\d+)?) gRPC\s+(\S+)")
-_HTTP_LINE = re.compile(r"^\s+OpenAI API\s+http://(\S+?)/v1")
+_HTTP_LINE = re.compile(r"^\s+OpenAI API\s+https?://(\S+?)/v1")
 
 
 def read_ready_block(text: str) -> dict[str, str]:

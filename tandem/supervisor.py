@@ -35,6 +35,7 @@ from tandem import fleet, models
 from tandem.cli import LOG_NAME_ENV
 from tandem.config import ServeSettings
 from tandem.fleet import Fleet, FleetError, connect_host  # noqa: F401 (connect_host: re-exported)
+from tandem.rpc.security import PLAINTEXT, HopSecurity, for_service
 from tandem.telemetry.metrics import RESTARTS_ENV
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Child:
     restart_at: float | None = None  # when a child that exited is due to start again
     backoff: Backoff = field(default_factory=Backoff, repr=False)
     # Settings passed in the environment rather than the command line, which any local user can
-    # read (`ps`): the gateway's API keys.
+    # read (`ps`): the gateway's API keys, the internal token.
     env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -95,12 +96,13 @@ def child_commands(s: ServeSettings, planned: Fleet | None = None) -> list[Child
     gateway (names, ports and command lines: :mod:`tandem.fleet`)."""
     planned = fleet.plan(s) if planned is None else planned
     secret = {"TANDEM_API_KEYS": s.api_keys} if s.api_keys else {}
-    return [Child(name, argv, health, env={LOG_NAME_ENV: name, **(secret if name == "gateway" else {})})
+    token = {"TANDEM_INTERNAL_TOKEN": s.internal_token} if s.internal_token else {}
+    return [Child(name, argv, health, env={LOG_NAME_ENV: name, **token, **(secret if name == "gateway" else {})})
             for name, argv, health in fleet.commands(s, planned)]
 
 
-def is_serving(address: str, timeout: float = 2.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout: float = 2.0, security: HopSecurity = PLAINTEXT) -> bool:
+    with security.sync_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.RpcError:
@@ -112,6 +114,8 @@ class Supervisor:
     def __init__(self, settings: ServeSettings, children: list[Child] | None = None) -> None:
         """Plans the fleet's ports first: raises :class:`FleetError` for a fleet that cannot start."""
         self.settings = settings
+        self.security = for_service(settings, "serve", protected=bool(settings.tls_cert and settings.http_tls_cert),
+                                    what="tandem serve's services")
         self.fleet = fleet.plan(settings)
         self.children = child_commands(settings, self.fleet) if children is None else children
         self._stopping = False
@@ -144,7 +148,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 log.error("not ready after %.0fs: %s", self.settings.ready_timeout_s, [c.name for c in pending])
                 return False
-            pending = [c for c in pending if not is_serving(c.health_address)]
+            pending = [c for c in pending if not is_serving(c.health_address, security=self.security)]
             if pending:
                 time.sleep(0.5)
         return True

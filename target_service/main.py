@@ -20,6 +20,7 @@ import grpc
 from tandem import telemetry
 from tandem.config import TargetSettings
 from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
+from tandem.rpc.security import PLAINTEXT, HopSecurity, for_service
 from tandem.telemetry.metrics import Metrics, make_metrics, serve_metrics
 from tandem.models.worker import ModelWorker
 from tandem.v1 import target_pb2_grpc
@@ -60,19 +61,22 @@ class RunningTarget:
         self.worker.shutdown(wait=False)
 
 
-async def start_target(engine: TargetEngine | None, host: str = "127.0.0.1", port: int = 0) -> RunningTarget:
-    """Starts TargetService (plus health and reflection) on ``host:port`` in the running loop.
+async def start_target(
+    engine: TargetEngine | None, host: str = "127.0.0.1", port: int = 0, security: HopSecurity = PLAINTEXT
+) -> RunningTarget:
+    """Starts TargetService (plus health and reflection) on ``host:port`` in the running loop,
+    with the TLS and internal token of ``security``.
 
     With an engine (already loaded) it serves at once; with None it answers NOT_SERVING /
     UNAVAILABLE until ``attach``.
     """
-    server = make_server(telemetry.server_interceptors(TRACED_METHODS))
+    server = make_server([*security.interceptors(SERVICE_NAME), *telemetry.server_interceptors(TRACED_METHODS)])
     worker = ModelWorker("target-model")
     servicer = TargetServicer(worker)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, security.server_credentials())
     await health.not_serving()
     await server.start()
     running = RunningTarget(server, servicer, health, worker, bound)
@@ -93,10 +97,12 @@ def run(settings: TargetSettings) -> None:
 
 async def serve(settings: TargetSettings) -> None:
     """Loads the model while already answering health checks, then serves until a stop signal."""
+    security = for_service(settings, "target")
     metrics = make_metrics("target")
     serve_metrics(metrics, settings.host, settings.metrics_port)
-    running = await start_target(None, settings.host, settings.port)
-    log.info("target gRPC on %s:%d (loading %s)", settings.host, running.port, settings.target_model)
+    running = await start_target(None, settings.host, settings.port, security)
+    log.info("target gRPC on %s:%d, %s (loading %s)", settings.host, running.port, security.describe(),
+             settings.target_model)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -91,7 +91,7 @@ class Lookup:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, server_name: str = "") -> None:
         self.address = address
         self.closed = False
 

@@ -27,7 +27,7 @@ class FakeDns:
 
 
 class Client:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, server_name: str = "") -> None:
         self.address = address
         self.closed = False
 
@@ -137,8 +137,8 @@ class FakeDraft(FakeTarget):
 
 async def test_the_monitor_takes_members_back_reads_their_load_and_settles_owed_releases(tokenizer):
     model = ServedModel("tiny", tokenizer, 128)
-    targets = Pool("target", "10.0.0.1:1,10.0.0.2:1", lambda a: FakeTarget(a, model.fingerprint))
-    drafts = Pool("draft", "10.0.0.3:1", lambda a: FakeDraft(a, ""), breaker=DraftBreaker)
+    targets = Pool("target", "10.0.0.1:1,10.0.0.2:1", lambda a, _: FakeTarget(a, model.fingerprint))
+    drafts = Pool("draft", "10.0.0.3:1", lambda a, _: FakeDraft(a, ""), breaker=DraftBreaker)
     monitor = UpstreamMonitor(targets, drafts, model)
     assert await monitor.check()
     one = targets.members["10.0.0.1:1"]

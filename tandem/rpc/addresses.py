@@ -7,7 +7,8 @@ grown or shrunk. A name that resolves to nothing is left out (logged by the call
 at the next resolution: a pool's DNS record may lag its pods.
 
 Invariant: :func:`resolve` returns each member once, as ``ip:port`` (IPv6 in brackets) or
-``localhost:port``, in the order the entries were given.
+``localhost:port``, in the order the entries were given, with the host name it was found under:
+the name a TLS client checks the member's certificate against (tandem.rpc.security).
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ async def system_lookup(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-async def resolve(entries: list[Entry], lookup: Lookup = system_lookup) -> tuple[list[str], list[str]]:
-    """(members, problems): every entry's members in order, deduplicated, and one line per name
-    that resolved to nothing."""
-    members: list[str] = []
+async def resolve(entries: list[Entry], lookup: Lookup = system_lookup) -> tuple[dict[str, str], list[str]]:
+    """(members, problems): every entry's members in order, deduplicated, each with the host name
+    of its entry, and one line per name that resolved to nothing."""
+    members: dict[str, str] = {}
     problems: list[str] = []
     for entry in entries:
         if entry.literal:
@@ -85,5 +86,6 @@ async def resolve(entries: list[Entry], lookup: Lookup = system_lookup) -> tuple
             else:
                 if not found:
                     problems.append(f"{entry.host} resolves to no address")
-        members.extend(m for m in found if m not in members)
+        for member in found:
+            members.setdefault(member, entry.host)
     return members, problems

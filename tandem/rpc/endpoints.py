@@ -68,10 +68,12 @@ def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> 
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds insecurely; returns the real port (useful with port 0 in tests)."""
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds with TLS when given ``credentials`` (tandem.rpc.security), in plaintext otherwise;
+    returns the real port (useful with port 0 in tests)."""
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as error:
         raise OSError(f"cannot bind gRPC server to {host}:{port}: {error}") from error
     if bound == 0:

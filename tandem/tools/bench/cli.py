@@ -10,7 +10,7 @@ import sys
 import httpx
 
 from tandem.tools.bench.client import (
-    AUTOREGRESSIVE, SPECULATIVE, RequestOptions, key_hooks, parse_modes, parse_temperature, served_model,
+    AUTOREGRESSIVE, SPECULATIVE, RequestOptions, key_hooks, parse_modes, parse_temperature, served_model, trust,
 )
 from tandem.tools.bench.peers import check_url, is_peer_mode, resolve_peers
 from tandem.tools.bench.prompts import PromptFileError, load_prompts
@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--model", default=None, help="model id (default: the gateway's first model)")
     where.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), metavar="KEY",
                        help="the gateway's API key, sent to the --url gateway only (default: env TANDEM_API_KEY)")
+    where.add_argument("--tls-ca", default=os.environ.get("TANDEM_TLS_CA"), metavar="FILE",
+                       help="a CA bundle to trust besides the system's, for an https:// gateway or peer "
+                            "(default: env TANDEM_TLS_CA)")
     where.add_argument("--target-model", default="gemma-3-270m",
                        help="target SPEC of the started stack and of the peer (default gemma-3-270m)")
     where.add_argument(
@@ -182,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
         own = _start_stack(args, k)
         url = own.url
     try:
-        with httpx.Client(timeout=10.0, event_hooks=key_hooks(url, args.api_key)) as client:
+        with httpx.Client(timeout=10.0, event_hooks=key_hooks(url, args.api_key), verify=trust(args.tls_ca)) as client:
             model_id = args.model or served_model(client, url)
             peers = resolve_peers(client, args.peer_url, model_id)
         options = RequestOptions(model_id, args.max_tokens, args.temperature, args.stream_smoothing,

@@ -10,6 +10,7 @@ URL peers (``tandem.tools.bench.peers``).
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -155,6 +156,19 @@ def key_hooks(url: str, api_key: str | None) -> dict[str, list]:
             request.headers["Authorization"] = f"Bearer {api_key}"
 
     return {"request": [add_key]}
+
+
+def trust(ca_file: str | None) -> ssl.SSLContext | bool:
+    """What httpx verifies servers with: the system's CAs, plus ``ca_file``'s (an https:// gateway
+    whose certificate a private CA signed); a missing file exits with its name."""
+    if not ca_file:
+        return True
+    context = ssl.create_default_context()
+    try:
+        context.load_verify_locations(ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"tandem bench: --tls-ca: cannot load {ca_file}: {exc}") from None
+    return context
 
 
 def stream_completion(client: httpx.Client, url: str, body: dict) -> Streamed:

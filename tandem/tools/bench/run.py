@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from tandem.tools.bench.client import RequestOptions, RequestResult, key_hooks, run_one
+from tandem.tools.bench.client import RequestOptions, RequestResult, key_hooks, run_one, trust
 from tandem.tools.bench.load import Job, interleaved_jobs, run_jobs
 from tandem.tools.bench.peers import UrlPeer, run_peer_one
 from tandem.tools.bench.prompts import Prompt
@@ -54,7 +54,8 @@ def run_http_phases(
     returns the results (schedule order) and the measured wall time (s)."""
     by_mode = {peer.mode: peer for peer in peers}
     hooks = key_hooks(url, getattr(args, "api_key", None))
-    with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), event_hooks=hooks) as client:
+    verify = trust(getattr(args, "tls_ca", None))
+    with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), event_hooks=hooks, verify=verify) as client:
         warm = RequestOptions(options.model, min(8, options.max_tokens), options.temperature,
                               options.stream_smoothing, options.num_speculative_tokens)
         _warm_up(client, url, prompts[: args.warmup], modes, peers, warm)
