@@ -43,6 +43,8 @@ SCHEMA = REPO.parent / "shared" / "schemas" / "compose-spec.json"
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "tandem.json"
 TANDEM_SERVICES = ("target", "draft", "gateway")  # start order
+TLS_OVERRIDE = REPO / "deploy" / "compose.tls.yaml"
+TLS_MOUNT = "/etc/tandem/tls"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,36 @@ def test_compose_layout(compose) -> None:
         assert k == f"${{TANDEM_NUM_SPECULATIVE_TOKENS:-{DEFAULT_K}}}", (name, k)
 
 
+def test_plain_compose_is_allowed_plaintext_inside_its_network_and_tls_overrides_it(compose) -> None:
+    """The services bind 0.0.0.0, which tandem refuses in plaintext without --insecure: compose
+    says so by default, and deploy/compose.tls.yaml turns TLS on instead."""
+    from tandem.config import DraftSettings, GatewaySettings, TargetSettings
+    from tandem.rpc.security import for_service
+
+    classes = {"target": TargetSettings, "draft": DraftSettings, "gateway": GatewaySettings}
+    for name, settings_cls in classes.items():
+        env = {k: interpolate(str(v), {}) for k, v in compose["services"][name]["environment"].items()}
+        settings = settings_cls(**{k.removeprefix("TANDEM_").lower(): v for k, v in env.items()
+                                   if k.startswith("TANDEM_") and k != "TANDEM_CACHE_DIR"})
+        assert settings.host == "0.0.0.0" and settings.insecure, name
+        for_service(settings, name)  # starts (no SystemExit)
+    override = yaml.safe_load(TLS_OVERRIDE.read_text())
+    jsonschema.validate(override, json.loads(SCHEMA.read_text()))
+    for name in ("target", "target-gpu", "draft", "gateway"):
+        env = override["services"][name]["environment"]
+        assert env["TANDEM_INSECURE"] == "false" and env["TANDEM_TLS_CA"].startswith(TLS_MOUNT), name
+        assert override["services"][name]["volumes"] == [f"${{TANDEM_TLS_DIR:-./deploy/tls}}:{TLS_MOUNT}:ro"]
+    assert override["services"]["gateway"]["environment"]["TANDEM_HTTP_TLS_CERT"].startswith(TLS_MOUNT)
+
+
+def with_override(compose: dict, override: dict) -> dict:
+    """Compose's merge of an override file, for the parts these files use: environments merge."""
+    merged = json.loads(json.dumps(compose))
+    for name, service in override["services"].items():
+        merged["services"][name]["environment"].update(service.get("environment", {}))
+    return merged
+
+
 # -- running the services as compose would -----------------------------------------------------
 
 
@@ -110,6 +142,7 @@ class LocalCompose:
     compose: dict
     variables: dict[str, str]
     otlp_port: int
+    tls_dir: Path | None = None  # where deploy/compose.tls.yaml's volume comes from
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -120,8 +153,11 @@ class LocalCompose:
         return self.ports[key]
 
     def translate(self, service: str, value: str) -> str:
-        """A value as seen from this machine: ``name:port`` and the service's own ports mapped."""
+        """A value as seen from this machine: ``name:port`` and the service's own ports mapped,
+        the TLS volume's files in ``tls_dir``."""
         value = interpolate(str(value), self.variables)
+        if value.startswith(TLS_MOUNT) and self.tls_dir is not None:
+            return str(self.tls_dir / value.removeprefix(TLS_MOUNT).lstrip("/"))
         if value == "0.0.0.0":
             return "127.0.0.1"  # tests bind loopback only
         if value == "http://jaeger:4317":
@@ -330,3 +366,46 @@ def test_prometheus_scrapes_all_three_and_reads_back_the_acceptance_rate(local, 
             break
         assert time.monotonic() < deadline, {key: answered[key] for key in headline}
         time.sleep(0.5)
+
+
+# -- the same with deploy/compose.tls.yaml -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_tls(compose, otlp, tiny_dir, tmp_path_factory) -> Iterator[LocalCompose]:
+    """The services under compose.yaml + deploy/compose.tls.yaml, with certificates from
+    deploy/tls/make-certs.sh (as the override's comment tells an operator to make them)."""
+    assert shutil.which("openssl"), "openssl is needed to run deploy/tls/make-certs.sh"
+    tls_dir = tmp_path_factory.mktemp("tls")
+    subprocess.run(["bash", str(REPO / "deploy" / "tls" / "make-certs.sh"), str(tls_dir)], check=True,
+                   capture_output=True, timeout=60)
+    merged = with_override(compose, yaml.safe_load(TLS_OVERRIDE.read_text()))
+    variables = {"TANDEM_TARGET_MODEL": str(tiny_dir), "TANDEM_DRAFT_MODEL": "ngram",
+                 "TANDEM_NUM_SPECULATIVE_TOKENS": "3", "TANDEM_INTERNAL_TOKEN": "compose-token-0123"}
+    stack = LocalCompose(merged, variables, otlp.port, tls_dir=tls_dir)
+    try:
+        for service in TANDEM_SERVICES:
+            stack.start(service)
+        for service in TANDEM_SERVICES:
+            stack.wait_healthy(service)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_with_the_tls_override_every_hop_is_tls_and_clients_use_the_ca(local_tls) -> None:
+    ca = str(local_tls.tls_dir / "ca.pem")
+    base = f"https://127.0.0.1:{local_tls.port('gateway', 8000)}"
+    model = httpx.get(f"{base}/v1/models", timeout=10, verify=ca).json()["data"][0]["id"]
+    reply = httpx.post(f"{base}/v1/completions", timeout=60, verify=ca, json={
+        "model": model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "speculation": "on"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["speculative_decoding"]["rounds"] > 0  # gateway -> draft -> target, all TLS
+    for service in TANDEM_SERVICES:
+        result = local_tls.healthcheck(service)  # the container's own TANDEM_TLS_* settings
+        assert result.returncode == 0 and "SERVING" in result.stdout, (service, result.stdout, result.stderr)
+    plaintext = subprocess.run([sys.executable, "-m", "tandem.rpc.healthcheck",
+                                f"127.0.0.1:{local_tls.port('target', 50053)}", "--timeout", "3"],
+                               env={k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")},
+                               capture_output=True, text=True, timeout=30, check=False)
+    assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stdout

@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 KUBE = REPO / "deploy" / "kubernetes"
 BASE = KUBE / "base"
 CPU = KUBE / "overlays" / "cpu"
+CPU_TLS = KUBE / "overlays" / "cpu-tls"
+TLS_MOUNT = "/etc/tandem/tls"
 SERVICES = {"target": config.TargetSettings, "draft": config.DraftSettings, "gateway": config.GatewaySettings}
 # The oldest Kubernetes the manifests promise to work with (the native gRPC probe is GA since
 # 1.27; PDB unhealthyPodEvictionPolicy exists since 1.26), and the newest the package bundles.
@@ -108,12 +110,25 @@ def _split_image(image: str) -> tuple[str, str]:
 def render(directory: Path) -> list[dict]:
     """The documents ``kubectl kustomize directory`` prints, for the features the manifests use."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "images", "patches"}
+    unsupported = set(kustomization) - {"apiVersion", "kind", "resources", "images", "patches", "components"}
     assert not unsupported, f"{directory}: the test's renderer does not apply {sorted(unsupported)}"
     docs: list[dict] = []
     for resource in kustomization.get("resources", []):
         path = (directory / resource).resolve()
         docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for component in kustomization.get("components", []):  # a Component patches what came before it
+        _apply(directory / component, docs)
+    _apply(directory, docs, kustomization)
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), f"{directory}: duplicate resources {keys}"
+    return docs
+
+
+def _apply(directory: Path, docs: list[dict], kustomization: dict | None = None) -> None:
+    """The images and patches of ``directory``'s kustomization (a Component's: resources none)."""
+    if kustomization is None:
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        assert kustomization["kind"] == "Component" and not kustomization.get("resources"), directory
     for image in kustomization.get("images", []):
         for doc in docs:
             _set_image(doc, image)
@@ -123,12 +138,9 @@ def render(directory: Path) -> list[dict]:
         selected = [doc for doc in docs if _selected(doc, patch["target"])]
         assert len(selected) == 1, f"patch target {patch['target']} selects {len(selected)} documents"
         _json_patch(selected[0], ops)
-    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
-    assert len(keys) == len(set(keys)), f"{directory}: duplicate resources {keys}"
-    return docs
 
 
-KUSTOMIZATIONS = {"base": BASE, "cpu": CPU}
+KUSTOMIZATIONS = {"base": BASE, "cpu": CPU, "cpu-tls": CPU_TLS}
 
 
 @functools.cache
@@ -254,7 +266,9 @@ def test_commands_parse_and_the_environment_is_read_by_the_settings(docs, servic
     for name, value in env.items():
         field = name.removeprefix("TANDEM_").lower()
         if field in settings.model_fields:
-            assert str(getattr(settings, field)) == value, f"{name}={value!r} is not what tandem {service} reads"
+            read = getattr(settings, field)
+            read = str(read).lower() if isinstance(read, bool) else str(read)
+            assert read == value, f"{name}={value!r} is not what tandem {service} reads"
 
 
 def test_the_services_share_the_model_and_k(docs, monkeypatch) -> None:
@@ -320,19 +334,30 @@ def test_probes_ask_the_grpc_health_service(docs, service, monkeypatch) -> None:
     settings = settings_of(docs, service, monkeypatch)
     grpc_port = settings.grpc_port if service == "gateway" else settings.port
     container = container_of(docs, service)
-    assert container["readinessProbe"]["grpc"] == {"port": grpc_port}
+    tls = settings.tls_cert is not None
+
+    def asks_health(probe: dict) -> bool:
+        """Kubernetes' own gRPC probe, or (it speaks plaintext only) the healthcheck module in the
+        container, which dials with the container's TLS settings."""
+        if tls:
+            return "grpc" not in probe and probe["exec"]["command"] == [
+                "python", "-m", "tandem.rpc.healthcheck", f"127.0.0.1:{grpc_port}"]
+        return probe["grpc"] == {"port": grpc_port}
+
+    assert asks_health(container["readinessProbe"])
     if service == "gateway":
         # Its health follows its upstreams (SERVING only while target and draft are): as liveness
         # it would restart every gateway whenever the draft or the target is down or loading.
         for probe in ("livenessProbe", "startupProbe"):
             assert "grpc" not in container[probe]
             assert container[probe]["httpGet"]["path"] == "/metrics"
+            assert container[probe]["httpGet"].get("scheme", "HTTP") == ("HTTPS" if settings.http_tls_cert else "HTTP")
             assert container_port(container, container[probe]["httpGet"]["port"]) == settings.http_port
     else:
-        assert container["livenessProbe"]["grpc"] == {"port": grpc_port}
+        assert asks_health(container["livenessProbe"])
         # The first start converts the GGUF (and builds CPU kernels): minutes, not seconds.
         startup = container["startupProbe"]
-        assert startup["grpc"] == {"port": grpc_port}
+        assert asks_health(startup)
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
 
@@ -396,3 +421,21 @@ def test_the_renderer_applies_json_patches() -> None:
         _json_patch(doc, [{"op": "remove", "path": "/a/missing"}])
     with pytest.raises(AssertionError):
         _json_patch(doc, [{"op": "replace", "path": "/a/list/5", "value": 1}])
+
+
+def test_the_tls_overlay_mounts_the_secret_and_every_service_reads_its_certificate(monkeypatch) -> None:
+    docs = rendered("cpu-tls")
+    for service in SERVICES:
+        settings = settings_of(docs, service, monkeypatch)
+        assert not settings.insecure and settings.host == "0.0.0.0"
+        assert {settings.tls_cert, settings.tls_key, settings.tls_ca} == {
+            f"{TLS_MOUNT}/tls.crt", f"{TLS_MOUNT}/tls.key", f"{TLS_MOUNT}/ca.crt"}
+        pod = _pod_specs(deployment_of(docs, service))[0]
+        volume = {v["name"]: v for v in pod["volumes"]}["tls"]
+        assert volume["secret"]["secretName"] == "tandem-tls"
+        mounts = {m["mountPath"]: m for m in container_of(docs, service)["volumeMounts"]}
+        assert mounts[TLS_MOUNT]["name"] == "tls" and mounts[TLS_MOUNT]["readOnly"] is True
+    gateway = settings_of(docs, "gateway", monkeypatch)
+    assert gateway.http_tls_cert == f"{TLS_MOUNT}/tls.crt" and gateway.http_tls_key == f"{TLS_MOUNT}/tls.key"
+    # The base keeps plaintext on the pod network, and says so (tandem refuses it otherwise).
+    assert settings_of(rendered("cpu"), "target", monkeypatch).insecure
