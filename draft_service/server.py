@@ -26,6 +26,7 @@ from draft_service.errors import (
 )
 from draft_service.validation import validate_spec
 from tandem import telemetry
+from tandem.rpc import streams
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     async for result in rounds:
                         if result.verified:
                             round_events.record(result.num_draft_tokens, result.num_accepted, result.verify_seconds)
-                        await context.write(wire.speculate_response(result))
+                        await streams.write(context, wire.speculate_response(result))
             finally:
                 round_events.finish()
             return

@@ -24,6 +24,7 @@ from gateway.generation import Generation
 from gateway.monitor import UpstreamMonitor
 from gateway.served_model import ServedModel
 from gateway.validation import RequestFields, RequestValidator
+from tandem.rpc import streams
 from tandem.telemetry.metrics import Metrics
 
 
@@ -45,8 +46,11 @@ class GatewayCore:
         monitor: UpstreamMonitor,
         keys: ApiKeys | None = None,
         metrics_auth: bool = False,
+        stream_stall_s: float = streams.STALL_S,
     ) -> None:
         self.model = model
+        # How long a streamed response waits for a client that stopped reading (tandem.rpc.streams).
+        self.stream_stall_s = stream_stall_s
         # Who may call (gateway.auth): no keys, everybody.
         self.keys = keys if keys is not None else ApiKeys()
         self.metrics_auth = metrics_auth

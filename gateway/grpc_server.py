@@ -23,6 +23,7 @@ from gateway.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.events import Finished, TextDelta, Usage
 from gateway.validation import RequestFields
 from tandem import telemetry
+from tandem.rpc import streams
 from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -107,8 +108,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         outcome = _Outcome()
         try:
-            async for message in span.stream(self._generate(request, context, span, outcome)):
-                yield message
+            async with aclosing(span.stream(self._generate(request, context, span, outcome))) as messages:
+                async for message in messages:
+                    # A client that stops reading blocks this write; past --stream-stall-timeout-s
+                    # the call ends (RESOURCE_EXHAUSTED) and aclosing releases the generation's sessions.
+                    await streams.write(context, message, self._core.stream_stall_s)
         except BaseException as exc:
             outcome.error = outcome.error or exc
             raise

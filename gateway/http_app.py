@@ -181,7 +181,8 @@ async def _generate(
                 await generation.aclose()
             span.end(generation.usage)
 
-        return ClosingStreamingResponse(span.stream(openai_api.stream(generation, meta)), on_close=close)
+        return ClosingStreamingResponse(span.stream(openai_api.stream(generation, meta)), on_close=close,
+                                        stall_s=core.stream_stall_s)
     try:
         with span.active():
             async with generation:

@@ -11,32 +11,55 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """An SSE response whose body generator is always closed and ``on_close`` always awaited."""
+class ClientStalled(Exception):
+    """The client read nothing while a streamed response's buffers stayed full."""
 
-    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]]) -> None:
+
+class ClosingStreamingResponse(StreamingResponse):
+    """An SSE response whose body generator is always closed and ``on_close`` always awaited.
+
+    A client that stops reading makes a write wait once the connection's buffers are full; after
+    ``stall_s`` the response is abandoned (the connection closes, ``on_close`` releases the
+    sessions), so a stuck client holds a request slot for that long, not forever."""
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], Awaitable[None]],
+                 stall_s: float = 30.0) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self._content = content
         self._on_close = on_close
+        self._stall_s = stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._stall_s)
+            except asyncio.TimeoutError:
+                raise ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except Exception as exc:  # only a stall is handled here
+            # In Starlette's task group (older ASGI servers) the stall may come in an exception group.
+            if not all(isinstance(e, ClientStalled) for e in getattr(exc, "exceptions", [exc])):
+                raise
+            log.warning("a streaming client read nothing for %.0f s: its stream is cancelled", self._stall_s)
         finally:
             try:
                 await self._content.aclose()

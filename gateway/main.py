@@ -145,6 +145,7 @@ async def start_gateway(
         monitor,
         keys,
         settings.metrics_auth,
+        settings.stream_stall_timeout_s,
     )
 
     sock = _bind_http_socket(settings.host, settings.http_port)

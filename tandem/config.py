@@ -289,6 +289,11 @@ class GatewaySettings(_Base):
     resolve_interval_s: float = Field(
         10.0, gt=0.0, description="seconds between DNS re-resolutions of the pools' names"
     )
+    stream_stall_timeout_s: float = Field(
+        30.0, gt=0.0,
+        description="a streaming client that reads nothing this long while its response's buffers are full has its "
+        "stream cancelled and its sessions released",
+    )
     http_tls_cert: str | None = Field(None, description="serve HTTPS with this PEM certificate (chain)")
     http_tls_key: str | None = Field(None, description="the PEM private key of --http-tls-cert")
     grpc_client_certs: bool = Field(

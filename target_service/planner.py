@@ -126,6 +126,11 @@ class Planner:
         check_tokenizer(self.info, block.tokenizer_fingerprint)
         check_block(block, self.info.vocab_size)
         session = self.store.get(block.session_id)
+        if block.base_len > len(session.tokens):
+            raise InvalidArgument(
+                f"base_len {block.base_len} is past the {len(session.tokens)} tokens session "
+                f"{block.session_id!r} has committed: a block extends a prefix of what was committed"
+            )
         # A finished session answers FINISHED to any block, stale or not: the drafter is done.
         if session.finished:
             return Verdict(

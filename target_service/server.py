@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tandem.models.worker import ModelWorker
+from tandem.rpc import streams
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service import wire
 from target_service.batcher import PassBatcher
@@ -29,6 +30,7 @@ from target_service.errors import (
     TooManySessions,
 )
 from target_service.types import FinishReason
+from target_service.validation import check_session_id
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +84,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Verify(
         self, request_iterator: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.VerifyResponse]:
+    ) -> None:
         await self._require_engine(context)
+        session_id = None  # a Verify stream serves the session its first block names
         async for request in request_iterator:
             block = wire.draft_block(request)
+            session_id = session_id or block.session_id
+            if block.session_id != session_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"session_id: this Verify stream serves session {session_id[:256]!r}; "
+                                    f"open a stream per session")
             verdict = await self._answer(context, self.batcher.run(block, 1 + len(block.draft_token_ids)))
-            yield wire.verify_response(verdict)
+            # A drafter that stops reading verdicts blocks this write; past a while the stream ends.
+            await streams.write(context, wire.verify_response(verdict))
 
     async def Generate(
         self, request: target_pb2.TargetServiceGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.TargetServiceGenerateResponse]:
+    ) -> None:
         await self._require_engine(context)
+        await self._check_session_id(context, request.session_id)
         if request.max_new_tokens < 0:
             message = f"max_new_tokens must be >= 0, got {request.max_new_tokens}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -105,7 +115,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 step = DecodeStep(request.session_id, cancelled.is_set)
                 result = await self._answer(context, self.batcher.run(step, 1))
                 sent += len(result.token_ids)
-                yield wire.generate_response(result)
+                await streams.write(context, wire.generate_response(result))
                 if result.finish_reason != FinishReason.NONE or not result.token_ids:
                     return
         except asyncio.CancelledError:
@@ -114,10 +124,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Release(self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
+        await self._check_session_id(context, request.session_id)
         # Ahead of the queued passes: under load they are seconds of work, and a release stuck
         # behind them times out and leaves the session's cache held until its TTL.
         released = await self._call(context, engine.release, request.session_id, urgent=True)
         return target_pb2.ReleaseResponse(released=released)
+
+    async def _check_session_id(self, context: grpc.aio.ServicerContext, session_id: str) -> None:
+        try:
+            check_session_id(session_id)
+        except InvalidArgument as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def _require_engine(self, context: grpc.aio.ServicerContext) -> TargetEngine:
         if self.engine is None:

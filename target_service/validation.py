@@ -14,11 +14,18 @@ from target_service.session import SessionConfig
 
 # A draft's q must sum to 1; float32 rounding of a renormalised top-k stays far inside this.
 Q_SUM_TOLERANCE = 1e-2
+# Session ids are the gateway's (a UUID and a prefix): anything much longer is not one.
+MAX_SESSION_ID_LEN = 256
+# The most drafts one block carries, chain or tree: the largest K any service accepts. A block's
+# pass costs its rows, so a longer one would let one caller buy an arbitrarily long pass.
+MAX_BLOCK_DRAFTS = 64
 
 
 def check_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidArgument("session_id is empty")
+    if len(session_id) > MAX_SESSION_ID_LEN:
+        raise InvalidArgument(f"session_id is {len(session_id)} characters long, more than {MAX_SESSION_ID_LEN}")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -59,6 +66,11 @@ def check_block(block: DraftBlock, vocab_size: int) -> None:
     check_session_id(block.session_id)
     if block.base_len < 0:
         raise InvalidArgument(f"base_len must be >= 0, got {block.base_len}")
+    if len(block.draft_token_ids) > MAX_BLOCK_DRAFTS:
+        raise InvalidArgument(
+            f"draft_token_ids has {len(block.draft_token_ids)} drafts, more than a block carries ({MAX_BLOCK_DRAFTS})"
+        )
+    check_token_ids("assumed_token_ids", block.assumed_token_ids, vocab_size)
     check_token_ids("draft_token_ids", block.draft_token_ids, vocab_size)
     if block.draft_parents:
         _check_tree(block)

@@ -331,11 +331,12 @@ async def fake_stack(
     draft_fails_after_rounds: int | None = None,
     token_delay: float = 0.0,
     health_interval_s: float = 0.2,
+    max_context_len: int = MAX_CONTEXT_LEN,
     **settings: Any,
 ) -> AsyncIterator[FakeStack]:
     model = ScriptedModel(tokenizer, token_delay=token_delay)
     target_server, target_port = await serve_fake(
-        target_pb2_grpc.add_TargetServiceServicer_to_server, FakeTargetServicer(model), "tandem.v1.TargetService"
+        target_pb2_grpc.add_TargetServiceServicer_to_server, FakeTargetServicer(model, max_context_len), "tandem.v1.TargetService"
     )
     servers = [target_server]
     if draft_up:
@@ -363,7 +364,8 @@ async def fake_stack(
         draft_breaker_cooldown_s=0.0,
     )
     config.update(settings)
-    gateway = await start_gateway(GatewaySettings(**config), tokenizer, health_interval_s=health_interval_s)
+    gateway = await start_gateway(GatewaySettings(**config), tokenizer, health_interval_s=health_interval_s,
+                                  max_context_len=max_context_len)
     try:
         yield FakeStack(model, gateway)
     finally:

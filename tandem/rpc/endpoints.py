@@ -28,9 +28,14 @@ KEEPALIVE_MS = dict(CHANNEL_OPTIONS)["grpc.keepalive_time_ms"]
 # minutes, so an idle stack's channels, which ping every KEEPALIVE_MS, lost their connections after
 # about 90 s and the next requests met a reconnect.
 MIN_PING_INTERVAL_MS = KEEPALIVE_MS // 2
+# What a server accepts in one message. Requests are token ids and a few numbers (a Prefill of a
+# million-token prompt is ~5 MB); only answers carry hidden states. A bigger request is refused
+# with RESOURCE_EXHAUSTED by gRPC before it is parsed, so no caller makes a server hold 256 MiB.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 # A second server on a busy port must fail, not silently share it (SO_REUSEPORT is on by default).
 SERVER_OPTIONS = [
-    *CHANNEL_OPTIONS,
+    *(option for option in CHANNEL_OPTIONS if option[0] != "grpc.max_receive_message_length"),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
 ]
