@@ -197,7 +197,11 @@ async def test_tokenizer_fingerprint_mismatch_is_failed_precondition(ngram_draft
 
 BAD_REQUESTS = {
     "empty session id": lambda r: r.ClearField("session_id"),
+    "10 kB session id": lambda r: setattr(r, "session_id", "s" * 10_240),
     "empty token ids": lambda r: r.ClearField("token_ids"),
+    "target_address not host:port": lambda r: setattr(r, "target_address", "no-port"),
+    "target_address of no pool member": lambda r: setattr(r, "target_address", "10.255.255.1:1"),
+    "two target addresses": lambda r: setattr(r, "target_address", "127.0.0.1:1,127.0.0.1:2"),
     "negative token id": lambda r: r.token_ids.append(-1),
     "token id beyond the vocabulary": lambda r: r.token_ids.append(10_000),
     "prompt_len 0": lambda r: setattr(r, "prompt_len", 0),

@@ -198,3 +198,40 @@ async def test_the_health_probe_speaks_tls_and_says_what_plaintext_met(secured, 
     code = await asyncio.to_thread(healthcheck.main, [address, "--tls-ca", str(pki.ca), "--tls-cert",
                                                       str(pki.client.cert), "--tls-key", str(pki.client.key)])
     assert code == 0
+
+
+async def test_server_tls_without_client_certificates_when_asked(pki):
+    """The gateway's --no-grpc-client-certs: TLS, but a caller without a certificate is served."""
+    from tandem.rpc.endpoints import Health, bind, make_server
+
+    security = mutual(pki, pki.target)
+    server = make_server()
+    health = Health(server, [])
+    port = bind(server, "127.0.0.1", 0, security.server_credentials(client_certs=False))
+    await server.start()
+    await health.serving()
+    try:
+        anonymous = HopSecurity.from_settings(settings(tls_ca=str(pki.ca)))
+        serving, seen = await asyncio.to_thread(healthcheck.check, f"localhost:{port}", "", 5, anonymous)
+        assert serving, seen
+        serving, seen = await asyncio.to_thread(healthcheck.check, f"localhost:{port}", "", 5, HopSecurity())
+        assert not serving  # still TLS: plaintext fails
+    finally:
+        await server.stop(0)
+
+
+def test_serve_hands_every_child_the_tls_flags_and_the_token_in_its_environment(pki):
+    from tandem.config import ServeSettings
+    from tandem.supervisor import child_commands
+
+    serve = ServeSettings(tls_cert=str(pki.target.cert), tls_key=str(pki.target.key), tls_ca=str(pki.ca),
+                          tls_server_name="tandem.internal", internal_token=TOKEN, targets=2, drafts=2,
+                          http_tls_cert=str(pki.target.cert), http_tls_key=str(pki.target.key))
+    children = child_commands(serve)
+    assert [c.name for c in children] == ["target-0", "target-1", "draft-0", "draft-1", "gateway"]
+    for child in children:
+        argv = " ".join(child.argv)
+        assert f"--tls-cert {pki.target.cert}" in argv and f"--tls-ca {pki.ca}" in argv, child.name
+        assert "--tls-server-name tandem.internal" in argv
+        assert TOKEN not in argv and child.env["TANDEM_INTERNAL_TOKEN"] == TOKEN
+        assert ("--http-tls-cert" in argv) == (child.name == "gateway")

@@ -20,11 +20,9 @@ from certs import CA
 from stack import serving
 
 from tandem.fleet import read_ready_block
-from tandem.rpc.endpoints import CHANNEL_OPTIONS
 from tandem.rpc.security import HopSecurity
 from tandem.tools.bench.stack import free_port
-from tandem.v1 import (draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2,
-                       target_pb2_grpc)
+from tandem.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -137,19 +135,20 @@ def test_the_health_probe_and_the_bench_work_with_tls_on(secure_stack, pki):
     env = {**os.environ, "TANDEM_TLS_CA": str(pki.ca), "TANDEM_TLS_CERT": str(pki.client.cert),
            "TANDEM_TLS_KEY": str(pki.client.key)}
     probe = subprocess.run([sys.executable, "-m", "tandem.rpc.healthcheck", secure_stack.target], env=env,
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, check=False)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     bench = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "bench", "--url", secure_stack.url, "--api-key", KEY, "--tls-ca",
          str(pki.ca), "--limit", "2", "--max-tokens", "6", "--warmup", "0", "--peer", "none", "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, check=False)
     assert bench.returncode == 0, bench.stdout + bench.stderr
     assert "speculative" in bench.stdout
 
 
 def test_serve_refuses_plaintext_beyond_loopback_without_insecure(tiny_dir):
     refused = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--target-model", str(tiny_dir),
-                              "--host", "0.0.0.0", "--http-port", "0"], capture_output=True, text=True, timeout=120)
+                              "--host", "0.0.0.0", "--http-port", "0"], capture_output=True, text=True, timeout=120,
+                             check=False)
     assert refused.returncode != 0
     assert "serve plaintext on 0.0.0.0" in refused.stderr and "--insecure" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -257,6 +257,9 @@ async def test_too_many_sessions(loaded) -> None:
 
 BAD_PREFILLS = [  # (name, how to spoil a valid PrefillRequest, expected code)
     ("empty session id", lambda r: setattr(r, "session_id", ""), grpc.StatusCode.INVALID_ARGUMENT),
+    ("10 kB session id", lambda r: setattr(r, "session_id", "x" * 10_240), grpc.StatusCode.INVALID_ARGUMENT),
+    ("over the 16 MiB request limit", lambda r: setattr(r, "tokenizer_fingerprint", "f" * (17 << 20)),
+     grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("empty prompt", lambda r: r.ClearField("prompt_token_ids"), grpc.StatusCode.INVALID_ARGUMENT),
     ("token id >= vocab", lambda r: r.prompt_token_ids.append(300), grpc.StatusCode.INVALID_ARGUMENT),
     ("negative token id", lambda r: r.prompt_token_ids.append(-1), grpc.StatusCode.INVALID_ARGUMENT),
@@ -295,8 +298,26 @@ def _q(ids, probs):
 BAD_BLOCKS = [  # (name, VerifyRequest fields, code); session "s" has committed_len = len(PROMPT) + 1
     ("unknown session", {"session_id": "nope", "draft_token_ids": [1]}, grpc.StatusCode.NOT_FOUND),
     ("empty session id", {"session_id": "", "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("10 kB session id", {"session_id": "s" * 10_240, "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
     ("draft token >= vocab", {"draft_token_ids": [300]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative draft token", {"draft_token_ids": [-3]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("assumed token >= vocab", {"assumed_token_ids": [300], "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("more drafts than a block carries", {"draft_token_ids": [1] * 65}, grpc.StatusCode.INVALID_ARGUMENT),
     ("negative base_len", {"base_len": -1, "draft_token_ids": [1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("base_len past the committed length", {"base_len": len(PROMPT) + 9, "draft_token_ids": [1]},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("tree: a node its own parent (a cycle)", {"draft_token_ids": [1, 2], "draft_parents": [-1, 1]},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("tree: a forward reference", {"draft_token_ids": [1, 2], "draft_parents": [1, -1]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("tree: a parent out of range", {"draft_token_ids": [1, 2], "draft_parents": [-1, -7]},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("tree: parents and tokens differ in length", {"draft_token_ids": [1, 2], "draft_parents": [-1]},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("tree: more nodes than a block carries", {"draft_token_ids": list(range(65)), "draft_parents": [-1] * 65},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("NaN q", {"draft_token_ids": [1], "draft_probs": [_q([1, 2], [math.nan, 1.0])]}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("q without the draft token", {"draft_token_ids": [1], "draft_probs": [_q([2], [1.0])]},
+     grpc.StatusCode.INVALID_ARGUMENT),
     ("fewer draft_probs than tokens", {"draft_token_ids": [1, 2], "draft_probs": [_q([1], [1.0])]},
      grpc.StatusCode.INVALID_ARGUMENT),
     ("q id >= vocab", {"draft_token_ids": [1], "draft_probs": [_q([1, 301], [0.5, 0.5])]}, grpc.StatusCode.INVALID_ARGUMENT),
@@ -309,15 +330,21 @@ BAD_BLOCKS = [  # (name, VerifyRequest fields, code); session "s" has committed_
 
 
 @pytest.mark.parametrize("fields, code", [pytest.param(f, c, id=name) for name, f, c in BAD_BLOCKS])
-async def test_bad_block_is_refused_and_service_goes_on(stub, fields, code) -> None:
+async def test_bad_block_is_refused_and_service_goes_on(stub, loaded, fields, code) -> None:
+    reference = hf_greedy(loaded.model, PROMPT, 6)
     sid = new_id()
     await stub.Prefill(prefill_request(sid))
     request = target_pb2.VerifyRequest(**{"session_id": sid, "base_len": len(PROMPT) + 1, **fields})
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await verify_all(stub, [request])
     assert error.value.code() == code and error.value.details()
-    ok = await verify_all(stub, [target_pb2.VerifyRequest(session_id=sid, base_len=len(PROMPT) + 1, draft_token_ids=[1])])
-    assert ok[0].status == target_pb2.VERDICT_STATUS_OK  # the session was not touched by the bad block
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        assert any(field in error.value.details() for field in fields), error.value.details()  # names the field
+    # The session was not touched: the next valid block verifies to the reference tokens.
+    ok = await verify_all(stub, [target_pb2.VerifyRequest(session_id=sid, base_len=len(PROMPT) + 1,
+                                                          draft_token_ids=reference[1:4])])
+    assert ok[0].status == target_pb2.VERDICT_STATUS_OK
+    assert list(ok[0].committed_token_ids) == reference[1:5]
 
 
 async def test_a_long_prefill_runs_in_chunks_between_other_sessions_steps(loaded) -> None:
@@ -367,6 +394,14 @@ async def test_bad_generate_and_release(stub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         [c async for c in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id="nope"))]
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    for session_id in ("", "x" * 10_240):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [c async for c in stub.Generate(target_pb2.TargetServiceGenerateRequest(session_id=session_id))]
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in error.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Release(target_pb2.ReleaseRequest(session_id=session_id))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in error.value.details()
+        assert len(error.value.details()) < 300  # the id is not echoed back
     sid = new_id()
     await stub.Prefill(prefill_request(sid))
     with pytest.raises(grpc.aio.AioRpcError) as error:
