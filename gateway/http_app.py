@@ -83,6 +83,13 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI parses the body before the key dependency runs: a caller without a valid key
+        # learns nothing of what the body lacks, it gets the 401 it would have got anyway.
+        try:
+            core.keys.check(request.headers.get("authorization"))
+        except Unauthenticated as refused:
+            core.count_unauthenticated()
+            return error_response(refused)
         core.count_invalid()
         return error_response(invalid_body(exc.errors()))
 

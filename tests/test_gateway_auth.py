@@ -50,11 +50,18 @@ async def test_http_routes_need_a_key_but_health(tokenizer, tiny_dir, caplog):
             wrong = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                       headers={"Authorization": "Bearer sk-guess"})
             assert wrong.status_code == 401
+            # A body that does not parse, without a key: 401 (not a 400 that would describe the body).
+            garbled = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert garbled.status_code == 401 and garbled.json()["error"]["code"] == "invalid_api_key"
+            keyed = await client.post("/v1/completions", content=b"{not json",
+                                      headers={"content-type": "application/json",
+                                               "Authorization": "Bearer sk-first-0123456789"})
+            assert keyed.status_code == 400
             ok = await client.get("/v1/models", headers={"Authorization": "Bearer sk-first-0123456789"})
             assert ok.status_code == 200
             assert (await client.get("/health")).status_code == 200
             assert (await client.get("/metrics")).status_code == 200  # open unless --metrics-auth
-        assert stack.metric("tandem_requests_total", status="unauthenticated") == 2
+        assert stack.metric("tandem_requests_total", status="unauthenticated") == 3
         base = f"{stack.base_url}/v1"
         sdk = openai.AsyncOpenAI(base_url=base, api_key="sk-second-abcdef")
         completion = await sdk.completions.create(model=stack.gateway.core.model.name, prompt="Once", max_tokens=5,
