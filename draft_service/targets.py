@@ -27,6 +27,11 @@ from tandem.rpc import addresses
 log = logging.getLogger(__name__)
 
 
+# A request naming an address outside the last resolution makes the pool resolve again (a pod
+# that just joined), at most this often.
+RESOLVE_AGAIN_AFTER_S = 1.0
+
+
 class TargetRouter:
     """The configured targets (``spec``: "host:port,..." as ``tandem draft --target-address``).
 
@@ -41,6 +46,7 @@ class TargetRouter:
         *,
         lookup: addresses.Lookup = addresses.system_lookup,
         connect: Callable[[str, str], TargetClient] = TargetClient,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.entries = addresses.parse(spec, "target address")  # ValueError on a malformed list
         self.default = self.entries[0].member()
@@ -51,6 +57,8 @@ class TargetRouter:
         self._resolutions = 0  # completed resolutions: concurrent callers share one
         self._resolving = asyncio.Lock()
         self._clients: dict[str, TargetClient] = {}
+        self._clock = clock
+        self._resolved_at = -RESOLVE_AGAIN_AFTER_S  # when a request last made the pool resolve again
 
     @property
     def allowed(self) -> list[str]:
@@ -83,7 +91,10 @@ class TargetRouter:
         if address not in self.allowed:
             seen = self._resolutions
             async with self._resolving:
-                if self._resolutions == seen:  # nobody resolved while this call waited
+                # Nobody resolved while this call waited, and not just now: a caller naming
+                # strangers does not make the draft ask DNS at the caller's rate.
+                if self._resolutions == seen and self._clock() - self._resolved_at >= RESOLVE_AGAIN_AFTER_S:
+                    self._resolved_at = self._clock()
                     await self.resolve()
             if address not in self.allowed:
                 raise UnknownTargetError(

@@ -101,7 +101,8 @@ class Client:
 
 async def test_the_router_allows_the_pool_only_and_resolves_again_once_for_a_stranger() -> None:
     lookup = Lookup({"targets": ["10.0.0.1"]})
-    router = TargetRouter("targets:7000, 127.0.0.1:7001", lookup=lookup, connect=Client)
+    now = [0.0]
+    router = TargetRouter("targets:7000, 127.0.0.1:7001", lookup=lookup, connect=Client, clock=lambda: now[0])
     assert router.default == "targets:7000" and router.address_of("") == "targets:7000"
     await router.resolve()
     assert router.members == ["10.0.0.1:7000", "127.0.0.1:7001"]
@@ -114,6 +115,11 @@ async def test_the_router_allows_the_pool_only_and_resolves_again_once_for_a_str
     lookup.table["targets"].append("10.0.0.2")
     assert (await router.client("10.0.0.2:7000")).address == "10.0.0.2:7000"
     assert lookup.calls == 2
+    # ... but not again within a second: strangers do not make the draft ask DNS at their rate ...
+    with pytest.raises(UnknownTargetError):
+        await router.client("evil.example:443")
+    assert lookup.calls == 2
+    now[0] += 1.5
     # ... and an address outside the pool is refused after one more resolution, naming the pool.
     with pytest.raises(UnknownTargetError, match="10.0.0.1:7000") as refused:
         await router.client("evil.example:443")
