@@ -85,6 +85,7 @@ class TargetClient:
         self.address = address
         self._channel = security.aio_channel(address, CHANNEL_OPTIONS, server_name)
         self._auth = security.call_metadata
+        self._dials_tls = security.dials_tls
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -110,7 +111,9 @@ class TargetClient:
             if timeout_s is not None and now - started >= timeout_s:
                 raise TargetUnavailableError(f"target at {self.address} is not SERVING after {timeout_s:.0f}s ({state})")
             if now - last_log >= log_every_s:
-                log.info("waiting for the target at %s to be SERVING (%s)", self.address, state)
+                hint = "; if it serves TLS, give this draft --tls-ca (and --tls-cert/--tls-key for mutual TLS)" \
+                    if state == "UNAVAILABLE" and not self._dials_tls else ""
+                log.info("waiting for the target at %s to be SERVING (%s%s)", self.address, state, hint)
                 last_log = now
             await asyncio.sleep(poll_s)
 

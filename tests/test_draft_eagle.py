@@ -284,6 +284,12 @@ def test_commit_takes_the_feature_from_the_last_row(llama, llama_head):
     assert session.feature is not None
     session.commit(len(PROMPT) + 6, (73,), None)
     assert session.propose(4) == Proposal()
+    # A target whose states lie about their shape (the right number of values, another hidden
+    # size) gets no step on them: no crash, an empty block.
+    session.commit(len(PROMPT) + 7, (74, 75), torch.randn(2, 32))
+    assert session.feature is not None
+    session.commit(len(PROMPT) + 9, (76, 77), torch.randn(2, 32).reshape(4, 16)[:2])
+    assert session.feature is None and session.propose(4) == Proposal()
     session.close()
     with pytest.raises(RuntimeError):
         session.propose(1)

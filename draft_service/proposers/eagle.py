@@ -183,9 +183,10 @@ class EagleSession(ProposerSession):
         self._tokens.extend(token_ids)
         if unchanged:
             return
-        if token_ids and hidden_states is not None and hidden_states.dim() == 2 and hidden_states.shape[0] == len(
-            token_ids
-        ):
+        # A verdict's states must be [len(token_ids), hidden]: a target that sends another shape
+        # (with as many bytes) gets no step on them, the next block is empty.
+        expected = (len(token_ids), self._proposer.drafter.config.hidden_size)
+        if token_ids and hidden_states is not None and tuple(hidden_states.shape) == expected:
             # [hidden]: the state whose logits produced the last committed token.
             self._feature = hidden_states[-1].detach().float().clone()
             self._feature_len = len(self._tokens)
