@@ -234,8 +234,11 @@ def test_stale_blocks_leave_the_session_untouched(llama) -> None:
     committed, cache_len = list(session.tokens), session.cache.get_seq_length()
     n = len(committed)
     drafts = tuple(reference[n - PROMPT_LEN : n - PROMPT_LEN + 3])
+    # base_len past the end is no stale view but a broken drafter: refused, the session untouched.
+    with pytest.raises(InvalidArgument, match="base_len"):
+        engine.verify(DraftBlock("s", n + 1, drafts))
+    assert session.tokens == committed and session.cache.get_seq_length() == cache_len
     stale_blocks = [
-        DraftBlock("s", n + 1, drafts),  # base_len past the end
         DraftBlock("s", n - 1, drafts),  # base_len short, nothing assumed
         DraftBlock("s", n - 2, drafts, assumed_token_ids=(committed[-2], committed[-1] + 1)),  # wrong assumption
         DraftBlock("s", n - 1, drafts, assumed_token_ids=(committed[-1], 7)),  # assumes a token not committed
