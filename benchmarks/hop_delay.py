@@ -6,7 +6,9 @@ ports), but points the draft at a delaying TCP proxy in front of the target
 one-way latency. The gateway reaches the target directly: autoregressive decoding never crosses
 the hop. One stack serves every delay: the proxy's delay changes between requests, and each prompt
 is sent at every delay in turn, speculative and autoregressive, interleaved. Reported per delay:
-both modes' tokens/s (the bench's definition: completion tokens over request time), the speedup,
+the tokens/s (the bench's definition: completion tokens over request time) of speculation on, off
+and ``auto`` (the default, which falls back to autoregressive decoding where speculation does not
+pay), the speedup of on over off,
 speculative tokens/s relative to delay 0, and the mean committed tokens per round.
 
     python benchmarks/hop_delay.py --target-model gemma-3-270m --delays-ms 0,1,5,20 --limit 12
@@ -29,11 +31,14 @@ import httpx
 
 from tandem.config import ServeSettings
 from tandem.supervisor import child_commands, is_serving
-from tandem.tools.bench.client import AUTOREGRESSIVE, SPECULATIVE, RequestOptions, run_one, served_model
+from tandem.tools.bench.client import AUTO, AUTOREGRESSIVE, SPECULATIVE, RequestOptions, run_one, served_model
 from tandem.tools.bench.delay_proxy import DelayProxy
 from tandem.tools.bench.metrics import summarize
 from tandem.tools.bench.prompts import load_prompts
 from tandem.tools.bench.stack import free_port
+
+# Speculation forced on, off, and the gateway's default (which falls back where speculation does not pay).
+MODES = (SPECULATIVE, AUTOREGRESSIVE, AUTO)
 
 
 class ProxyThread:
@@ -65,6 +70,7 @@ def start_services(args: argparse.Namespace, log_dir: Path) -> tuple[list[subpro
         argv = list(child.argv)
         if child.name == "draft":  # the draft reaches the target through the proxy
             argv[argv.index("--target-address") + 1] = proxy.proxy.address
+            argv += args.draft_arg
         with open(log_dir / f"{child.name}.log", "w") as log:
             processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                               env={**env, **child.env}, start_new_session=True))
@@ -94,16 +100,16 @@ def main(args: argparse.Namespace) -> None:
         processes, settings, proxy = start_services(args, Path(folder))
         try:
             url = f"http://127.0.0.1:{settings.http_port}"
-            results: dict[tuple[float, str], list] = {(d, m): [] for d in delays for m in (SPECULATIVE, AUTOREGRESSIVE)}
+            results: dict[tuple[float, str], list] = {(d, m): [] for d in delays for m in MODES}
             with httpx.Client(timeout=600) as client:
                 options = RequestOptions(served_model(client, url), args.max_tokens, 0.0, "off")
-                for prompt in prompts[: args.warmup]:  # warm up (both modes, no delay)
-                    for mode in (SPECULATIVE, AUTOREGRESSIVE):
+                for prompt in prompts[: args.warmup]:  # warm up (every mode, no delay)
+                    for mode in MODES:
                         run_one(client, url, prompt, mode, options)
                 for index, prompt in enumerate(prompts):
                     for delay in delays:
                         proxy.set_delay_ms(delay)
-                        for mode in (SPECULATIVE, AUTOREGRESSIVE):
+                        for mode in MODES:
                             results[(delay, mode)].append(run_one(client, url, prompt, mode, options, index))
                     print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
         finally:
@@ -111,16 +117,17 @@ def main(args: argparse.Namespace) -> None:
             stop(processes)
     rows = []
     base = summarize(results[(delays[0], SPECULATIVE)]).tokens_per_s
-    print(f"{'one-way delay (ms)':>18} {'spec tok/s':>11} {'AR tok/s':>9} {'speedup':>8} {'spec vs 0 ms':>13} "
-          f"{'tokens/round':>13}")
+    print(f"{'one-way delay (ms)':>18} {'spec tok/s':>11} {'AR tok/s':>9} {'auto tok/s':>11} {'speedup':>8} "
+          f"{'spec vs 0 ms':>13} {'tokens/round':>13}")
     for delay in delays:
-        spec, ar = summarize(results[(delay, SPECULATIVE)]), summarize(results[(delay, AUTOREGRESSIVE)])
+        spec, ar, auto = (summarize(results[(delay, mode)]) for mode in MODES)
         per_round = spec.mean_accepted_length or 0.0
         rows.append({"delay_ms": delay, "speculative_tokens_per_s": spec.tokens_per_s,
-                     "autoregressive_tokens_per_s": ar.tokens_per_s, "speedup": spec.tokens_per_s / ar.tokens_per_s,
+                     "autoregressive_tokens_per_s": ar.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
+                     "speedup": spec.tokens_per_s / ar.tokens_per_s,
                      "speculative_vs_no_delay": spec.tokens_per_s / base, "tokens_per_round": per_round})
-        print(f"{delay:>18g} {spec.tokens_per_s:>11.1f} {ar.tokens_per_s:>9.1f} {rows[-1]['speedup']:>7.2f}x "
-              f"{rows[-1]['speculative_vs_no_delay']:>12.2f}x {per_round:>13.2f}")
+        print(f"{delay:>18g} {spec.tokens_per_s:>11.1f} {ar.tokens_per_s:>9.1f} {auto.tokens_per_s:>11.1f} "
+              f"{rows[-1]['speedup']:>7.2f}x {rows[-1]['speculative_vs_no_delay']:>12.2f}x {per_round:>13.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
 
@@ -136,5 +143,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ready-timeout-s", type=float, default=600)
+    parser.add_argument("--draft-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")
     parser.add_argument("--json", default=None, help="write the rows here")
     main(parser.parse_args())
