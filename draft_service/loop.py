@@ -53,6 +53,16 @@ class BlockVerifier(Protocol):
         ...
 
 
+class PipelinedVerifier(BlockVerifier, Protocol):
+    """A verifier that takes blocks before the verdicts of earlier ones: verdicts come back in the
+    order the blocks went out, each judged against what the blocks before it committed (a block
+    whose ``assumed_token_ids`` turned out wrong gets STALE)."""
+
+    async def send(self, block: ProposedBlock) -> None: ...
+
+    async def receive(self, block_id: int) -> Verdict: ...
+
+
 class SpeculationLoop:
     """Runs one session's rounds and yields what each committed.
 

@@ -36,8 +36,15 @@ class GrpcVerifyStream:
         self._span = span if span is not None else telemetry.ClientCall(None, None)
 
     async def verify(self, block: ProposedBlock) -> Verdict:
-        # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here,
-        # with the target's code and message, which the server passes on to its caller.
+        """Sends ``block`` and waits for its verdict (nothing else in flight)."""
+        await self.send(block)
+        return await self.receive(block.block_id)
+
+    async def send(self, block: ProposedBlock) -> None:
+        """Sends ``block`` without waiting for any verdict: blocks sent one after another are
+        verified in order, each against what the ones before it committed."""
+        # Errors the target ends the stream with (NOT_FOUND session, ...) raise AioRpcError here or
+        # in receive, with the target's code and message, which the server passes on to its caller.
         try:
             try:
                 await self._call.write(wire.verify_request(block))
@@ -45,12 +52,19 @@ class GrpcVerifyStream:
                 # The call ended before this block went out (the target died between two blocks):
                 # its own status says why, as the target's error.
                 raise await self._ended() from None
+        except grpc.aio.AioRpcError as exc:
+            self._span.end(exc)
+            raise
+
+    async def receive(self, block_id: int) -> Verdict:
+        """The next verdict, which is block ``block_id``'s (the oldest sent and not answered)."""
+        try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             self._span.end(exc)
             raise
         if response is grpc.aio.EOF:
-            raise ProtocolError(f"the target ended the Verify stream without a verdict for block {block.block_id}")
+            raise ProtocolError(f"the target ended the Verify stream without a verdict for block {block_id}")
         return wire.verdict_from_response(response)
 
     async def _ended(self) -> grpc.aio.AioRpcError:

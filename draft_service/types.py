@@ -85,8 +85,11 @@ class SessionSpec:
 @dataclass(frozen=True)
 class ProposedBlock:
     """A proposal on its way to the target: the :class:`DraftBlock` it is sent as (:meth:`block`),
-    with the proposal itself kept whole (its sources stay in the draft service). Not pipelined, so
-    no assumed tokens."""
+    with the proposal itself kept whole (its sources stay in the draft service).
+
+    ``assumed_token_ids``: tokens after the first ``base_len`` that the block takes as committed
+    though no verdict said so yet (a block sent before the verdict of the one before it); the
+    target verifies it only if they are exactly what it committed, and answers STALE otherwise."""
 
     session_id: str
     block_id: int
@@ -95,6 +98,7 @@ class ProposedBlock:
     tokenizer_fingerprint: str = ""
     # Ask the target for this block's hidden states (feature-conditioned proposers).
     return_hidden_states: bool = False
+    assumed_token_ids: tuple[int, ...] = ()
 
     def block(self) -> DraftBlock:
         proposal = self.proposal
@@ -107,6 +111,7 @@ class ProposedBlock:
             tokenizer_fingerprint=self.tokenizer_fingerprint,
             return_hidden_states=self.return_hidden_states,
             draft_parents=proposal.parents,
+            assumed_token_ids=self.assumed_token_ids,
         )
 
 

@@ -169,12 +169,24 @@ class InMemoryVerifier:
     def __init__(self, target: ReferenceTarget) -> None:
         self.target = target
         self.blocks: list[ProposedBlock] = []
+        self._answers: list[Verdict] = []  # verdicts of blocks sent and not yet received, oldest first
 
     async def verify(self, block: ProposedBlock) -> Verdict:
+        await self.send(block)
+        return await self.receive(block.block_id)
+
+    async def send(self, block: ProposedBlock) -> None:
+        """Judged at once, in order (what the target does with a stream's blocks)."""
         self.blocks.append(block)
         proposal = block.proposal
-        verdict = self.target.verify(block.session_id, block.base_len, (), proposal.token_ids, proposal.parents)
-        return Verdict(**{**verdict.__dict__, "block_id": block.block_id})
+        verdict = self.target.verify(block.session_id, block.base_len, block.assumed_token_ids, proposal.token_ids,
+                                     proposal.parents)
+        self._answers.append(Verdict(**{**verdict.__dict__, "block_id": block.block_id}))
+
+    async def receive(self, block_id: int) -> Verdict:
+        verdict = self._answers.pop(0)
+        assert verdict.block_id == block_id, (verdict.block_id, block_id)
+        return verdict
 
 
 _FINISH_TO_WIRE = {

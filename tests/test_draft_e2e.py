@@ -136,3 +136,40 @@ async def test_cancelled_speculate_frees_the_session_in_both_services(llama, cap
         assert live._value.get() == 0, "the target still holds the cancelled session's KV cache"
         assert draft.engine.active_sessions == []
     assert "released abandoned session 'gone'" in caplog.text  # freed by Release, not by finishing
+
+
+async def test_blocks_sent_before_the_verdicts_are_verified_in_order_against_what_was_committed(llama):
+    """The Verify stream's pipelined form (issue 28): block 1 goes out before verdict 0, assuming
+    block 0 accepted whole with its bonus token; block 2 assumes what block 1 made stale."""
+    from draft_service.target_client import TargetClient
+    from draft_service.types import Proposal, ProposedBlock, VerdictStatus
+
+    n_new = 16
+    reference = generate_greedy(llama.model, PROMPT, n_new, llama.tokenizer.eos_token_id)
+    target = await target_main.start_target(target_engine.TargetEngine(llama))
+    address = f"127.0.0.1:{target.port}"
+    client = TargetClient(address)
+    try:
+        await prefill(address, llama, "pipe", n_new)
+        n = len(PROMPT) + 1
+        stream = client.open_verify_stream("pipe")
+
+        def block(block_id, base_len, drafts, assumed=()):
+            return ProposedBlock("pipe", block_id, base_len, Proposal(tuple(drafts)), assumed_token_ids=tuple(assumed))
+
+        sent = [block(0, n, reference[1:3]),
+                block(1, n, reference[4:6], assumed=reference[1:4]),  # block 0 whole + its bonus token
+                block(2, n, [1], assumed=reference[1:4])]  # stale once block 1 committed
+        for b in sent:
+            await stream.send(b)
+        verdicts = [await stream.receive(b.block_id) for b in sent]
+        assert [v.status for v in verdicts] == [VerdictStatus.OK, VerdictStatus.OK, VerdictStatus.STALE]
+        assert [v.block_id for v in verdicts] == [0, 1, 2]
+        committed = [reference[0], *verdicts[0].committed_token_ids, *verdicts[1].committed_token_ids]
+        assert committed == reference[:7] and verdicts[2].committed_len == n + 6
+        after = await stream.verify(block(3, n + 6, reference[7:9]))
+        assert after.status is VerdictStatus.OK and list(after.committed_token_ids) == reference[7:10]
+        await stream.close()
+    finally:
+        await client.close()
+        await target.stop(0)
