@@ -26,6 +26,7 @@ from typing import Protocol
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
+from draft_service.pipeline import PipelinedLoop
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.types import FinishReason, RoundResult, SamplingParams, SessionSpec, TargetInfo
 from tandem.models.worker import ModelWorker
@@ -103,11 +104,14 @@ class DraftEngine:
         max_parked: int = 256,
         block_lengths: BlockLengthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pipeline_depth: int = 1,
     ) -> None:
         """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
         session's next Speculate call (see :meth:`speculate`). ``block_lengths``: cuts every
         session's proposals to the length that pays best (None: they go whole). ``target_info``:
-        of the target checked at start-up, standing for every target of the pool."""
+        of the target checked at start-up, standing for every target of the pool.
+        ``pipeline_depth``: blocks of a session in flight at once (draft_service.pipeline; 1: the
+        synchronous loop)."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -122,6 +126,7 @@ class DraftEngine:
         self._max_parked = max_parked
         self._clock = clock
         self.block_lengths = block_lengths
+        self.pipeline_depth = pipeline_depth
 
     @property
     def active_sessions(self) -> list[str]:
@@ -163,7 +168,8 @@ class DraftEngine:
             if proposer_session is None:
                 proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
             stream = target.open_verify_stream(spec.session_id)
-            loop = SpeculationLoop(
+            pipelined = {"depth": self.pipeline_depth} if self.pipeline_depth > 1 else {}
+            loop = (PipelinedLoop if pipelined else SpeculationLoop)(
                 spec,
                 proposer_session,
                 stream,
@@ -174,6 +180,7 @@ class DraftEngine:
                 pending_commit=pending_commit,
                 lengths=self.block_lengths,
                 acceptance=acceptance,
+                **pipelined,
             )
             async for result in loop.rounds():
                 if result.verified:

@@ -2,8 +2,9 @@
 
 It talks to the target through ``BlockVerifier`` (the gRPC Verify stream in production, an
 in-memory reference target in tests) and to the proposer through ``run_model``, which runs model
-work on the draft's model thread. The loop is not pipelined: block n+1 is proposed after verdict n,
-so its blocks never assume uncommitted tokens and a STALE verdict signals a bug somewhere.
+work on the draft's model thread. This loop is synchronous: block n+1 is proposed after verdict n,
+so its blocks never assume uncommitted tokens and a STALE verdict signals a bug somewhere
+(``draft_service.pipeline`` keeps blocks in flight, ``--pipeline-depth``).
 """
 
 from __future__ import annotations

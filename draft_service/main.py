@@ -86,6 +86,7 @@ async def start_draft(
     target_wait_s: float | None = 60.0,
     cut_blocks: bool = True,
     security: HopSecurity = PLAINTEXT,
+    pipeline_depth: int = 1,
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
@@ -120,6 +121,7 @@ async def start_draft(
             metrics if metrics is not None else make_metrics("draft"),
             default_k=num_speculative_tokens,
             block_lengths=BlockLengthPolicy(prior=proposer.acceptance_prior) if cut_blocks else None,
+            pipeline_depth=pipeline_depth,
         )
         servicer.attach(engine)
         await health.serving()
@@ -200,6 +202,7 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
             target_wait_s=None,
             cut_blocks=settings.cut_blocks,
             security=security,
+            pipeline_depth=settings.pipeline_depth,
         )
     )
     stopping = asyncio.create_task(stop.wait())

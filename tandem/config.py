@@ -205,6 +205,11 @@ class DraftSettings(_Base):
         description="CPU threads for the draft's tensor work (0 = torch's default); the default 1 leaves the "
         "cores to the target",
     )
+    pipeline_depth: int = Field(
+        1, ge=1, le=8,
+        description="blocks of a session in flight to the target at once: the next block goes out before the "
+        "verdict of the one before it, on the assumption that it is accepted whole (1 = one block per round trip)",
+    )
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
     ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")
 
