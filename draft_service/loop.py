@@ -178,8 +178,9 @@ class SpeculationLoop:
             if verdict.finish_reason is not FinishReason.NONE:
                 return
 
-    def _block_size(self) -> int:
-        """K, cut so the verdict cannot commit more than any known budget allows.
+    def _block_size(self, length: int | None = None) -> int:
+        """K, cut so the verdict cannot commit more than any known budget allows, for a block
+        extending a sequence of ``length`` tokens (default: the committed one).
 
         A block of k draft tokens commits at most k + 1 tokens (the recovered or bonus token), so
         with b tokens left the block needs at most b - 1 drafts; drafting more wastes draft and
@@ -191,12 +192,12 @@ class SpeculationLoop:
         ``speculation: "auto"`` ran measurably slower than ``"on"`` (figures:
         docs/design-notes.md#fallback-floor, "Legs").
         """
+        length = self._committed_len if length is None else length
         budgets = []
         if self._spec.session_max_new_tokens > 0:
-            generated = self._committed_len - self._spec.prompt_len
-            budgets.append(self._spec.session_max_new_tokens - generated)
+            budgets.append(self._spec.session_max_new_tokens - (length - self._spec.prompt_len))
         if self._max_context_len > 0:
-            budgets.append(self._max_context_len - self._committed_len)
+            budgets.append(self._max_context_len - length)
         k = self._spec.num_speculative_tokens
         return max(0, min(k, min(budgets) - 1)) if budgets else k
 

@@ -134,7 +134,7 @@ class PipelinedLoop(SpeculationLoop):
         viable = self._viable(flights)
         if not viable:
             expects: tuple[int, ...] = tuple(self._sequence)
-            k = self._block_size_at(len(expects))
+            k = self._block_size(len(expects))
             commit = self._pending_commit
             if commit is None and self._proposer_ahead:  # drop the assumptions that did not hold
                 commit = (len(self._sequence), (), None)
@@ -146,8 +146,8 @@ class PipelinedLoop(SpeculationLoop):
             if last.proposal.parents:
                 return None
             ahead = (*last.expects, *last.proposal.token_ids)  # the last block accepted whole
-            k = self._block_size_at(len(ahead) + 1)
-            if k <= 0 and self._block_size_at(len(ahead)) <= 0:
+            k = self._block_size(len(ahead) + 1)
+            if k <= 0 and self._block_size(len(ahead)) <= 0:
                 return None
             guessed = await self._run_model(self._assume_and_propose, self._pending_commit, ahead, k + 1)
             self._pending_commit, self._proposer_ahead = None, True
@@ -173,14 +173,6 @@ class PipelinedLoop(SpeculationLoop):
         self._next_block_id += 1
         await self._pipe.send(block)
         return _Flight(block, expects, sources, started, proposed, self._clock())
-
-    def _block_size_at(self, length: int) -> int:
-        """K for a block extending a sequence of ``length`` tokens (``_block_size`` at that length)."""
-        confirmed, self._committed_len = self._committed_len, length
-        try:
-            return self._block_size()
-        finally:
-            self._committed_len = confirmed
 
     def _assume_and_propose(self, commit: PendingCommit | None, ahead: Sequence[int], k: int) -> Proposal:
         """On the model thread: apply the last verdict, take ``ahead`` as committed (no hidden

@@ -40,7 +40,7 @@ from gateway.validation import RequestValidator
 from tandem import telemetry
 from tandem.config import GatewaySettings
 from tandem.rpc.endpoints import Health
-from tandem.rpc.security import HopSecurity, SecurityError, for_service
+from tandem.rpc.security import HopSecurity, for_service
 from tandem.telemetry.metrics import Metrics, make_metrics
 from tandem.models import default_served_name, load_tokenizer
 
@@ -211,11 +211,8 @@ def _security(settings: GatewaySettings) -> HopSecurity:
             raise SystemExit(f"tandem gateway: error: {flag}: cannot read {path}")
     if bool(settings.http_tls_cert) != bool(settings.http_tls_key):
         raise SystemExit("tandem gateway: error: --http-tls-cert and --http-tls-key go together: give both or neither")
-    try:
-        grpc_tls = HopSecurity.from_settings(settings).serves_tls
-    except SecurityError as exc:
-        raise SystemExit(f"tandem gateway: error: {exc}") from None
-    security = for_service(settings, "gateway", protected=grpc_tls and bool(settings.http_tls_cert))
+    security = for_service(settings, "gateway", other_ports_tls=bool(settings.http_tls_cert))
+    grpc_tls = security.serves_tls
     if settings.http_tls_cert or grpc_tls or security.dials_tls or security.token:
         log.info("gateway ports: HTTP %s, gRPC %s; calls to draft and target: %s%s",
                  "HTTPS" if settings.http_tls_cert else "plaintext",

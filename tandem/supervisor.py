@@ -114,7 +114,7 @@ class Supervisor:
     def __init__(self, settings: ServeSettings, children: list[Child] | None = None) -> None:
         """Plans the fleet's ports first: raises :class:`FleetError` for a fleet that cannot start."""
         self.settings = settings
-        self.security = for_service(settings, "serve", protected=bool(settings.tls_cert and settings.http_tls_cert),
+        self.security = for_service(settings, "serve", other_ports_tls=bool(settings.http_tls_cert),
                                     what="tandem serve's services")
         self.fleet = fleet.plan(settings)
         self.children = child_commands(settings, self.fleet) if children is None else children

@@ -209,18 +209,18 @@ def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     return make(refuse, **shape)
 
 
-def for_service(settings: Any, service: str, protected: bool | None = None, what: str = "") -> HopSecurity:
+def for_service(settings: Any, service: str, other_ports_tls: bool = True, what: str = "") -> HopSecurity:
     """The security of ``tandem <service>``'s settings, refused with a one-line SystemExit when a
-    file cannot be read or it would serve plaintext beyond loopback (``protected``: whether every
-    port it serves has TLS; by default, whether it has a certificate; ``what``: how the refusal
-    names it, by default "the <service>")."""
+    file cannot be read or it would serve plaintext beyond loopback. Its gRPC port has TLS with a
+    certificate; ``other_ports_tls``: whether the rest it serves has too (the gateway's HTTP).
+    ``what``: how messages name it, by default "the <service>"."""
+    what = what or f"the {service}"
     try:
         security = HopSecurity.from_settings(settings)
-        if security.ca is not None and not security.serves_tls and service != "gateway":
-            log.warning("--tls-ca without --tls-cert/--tls-key: the %s checks the servers it calls but serves "
-                        "plaintext itself", service)
-        check_exposure(what or f"the {service}", settings.host, security.serves_tls if protected is None else protected,
-                       settings.insecure)
+        if security.ca is not None and not security.serves_tls:
+            log.warning("--tls-ca without --tls-cert/--tls-key: %s checks the servers it calls but serves "
+                        "plaintext itself", what)
+        check_exposure(what, settings.host, security.serves_tls and other_ports_tls, settings.insecure)
     except SecurityError as exc:
         raise SystemExit(f"tandem {service}: error: {exc}") from None
     return security
