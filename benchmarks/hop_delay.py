@@ -1,17 +1,19 @@
-"""Speculative decoding across a slow draft-target hop: tokens/s against the one-way delay.
+"""Speculative decoding across a slow draft-target hop: tokens/s against the one-way delay, for
+the synchronous loop (``--pipeline-depth 1``) beside pipelined ones.
 
-Starts target, draft and gateway as ``tandem serve`` would (its own child commands, on free
-ports), but points the draft at a delaying TCP proxy in front of the target
-(``tandem.tools.bench.delay_proxy``), so every block and verdict crosses a link of the chosen
-one-way latency. The gateway reaches the target directly: autoregressive decoding never crosses
-the hop. One stack serves every delay: the proxy's delay changes between requests, and each prompt
-is sent at every delay in turn, speculative and autoregressive, interleaved. Reported per delay:
-the tokens/s (the bench's definition: completion tokens over request time) of speculation on, off
-and ``auto`` (the default, which falls back to autoregressive decoding where speculation does not
-pay), the speedup of on over off,
-speculative tokens/s relative to delay 0, and the mean committed tokens per round.
+One target, and for each pipeline depth a draft and a gateway as ``tandem serve`` starts them
+(its own child commands, on free ports). Every draft reaches the target through one delaying TCP
+proxy (``tandem.tools.bench.delay_proxy``), so every block and verdict crosses a link of the
+chosen one-way latency; the gateways reach the target directly (autoregressive decoding never
+crosses the hop). The proxy's delay changes between requests, and each prompt is sent at every
+delay in turn, in every mode, interleaved: speculation forced on through each depth's gateway,
+off (autoregressive), and ``auto`` (the default: falls back where speculation does not pay)
+through the last depth's. Reported per delay: tokens/s (the bench's definition: completion tokens
+over request time) of each, the speedup of on over off, on's tokens/s relative to delay 0, the
+mean committed tokens per round, and for pipelined depths the share of blocks sent on an
+assumption that came back stale (``tandem_spec_decode_pipelined_blocks_total``).
 
-    python benchmarks/hop_delay.py --target-model gemma-3-270m --delays-ms 0,1,5,20 --limit 12
+    python benchmarks/hop_delay.py --delays-ms 0,1,5,20 --depths 1,2 --limit 12 --plot hop.png
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,9 +40,6 @@ from tandem.tools.bench.delay_proxy import DelayProxy
 from tandem.tools.bench.metrics import summarize
 from tandem.tools.bench.prompts import load_prompts
 from tandem.tools.bench.stack import free_port
-
-# Speculation forced on, off, and the gateway's default (which falls back where speculation does not pay).
-MODES = (SPECULATIVE, AUTOREGRESSIVE, AUTO)
 
 
 class ProxyThread:
@@ -57,30 +58,62 @@ class ProxyThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def start_services(args: argparse.Namespace, log_dir: Path) -> tuple[list[subprocess.Popen], ServeSettings, ProxyThread]:
-    settings = ServeSettings(
-        target_model=args.target_model, draft_model=args.draft_model, http_port=free_port(), grpc_port=free_port(),
-        draft_port=free_port(), target_port=free_port(), draft_metrics_port=0, target_metrics_port=0,
-        log_level="warning", stream_smoothing="off", **({"num_speculative_tokens": args.k} if args.k else {}),
-    )
-    proxy = ProxyThread(f"127.0.0.1:{settings.target_port}")
-    processes = []
+@dataclass
+class Lane:
+    """One pipeline depth: its draft (through the proxy) and the gateway in front of it."""
+
+    depth: int
+    url: str  # the gateway's HTTP
+    metrics_url: str  # the draft's /metrics
+
+    def blocks(self) -> tuple[float, float, float]:
+        """(verified rounds, pipelined blocks that held, ones that came back stale) so far."""
+        text = httpx.get(self.metrics_url, timeout=10).text
+
+        def value(pattern: str) -> float:
+            match = re.search(pattern + r"\s+([0-9.e+-]+)", text)
+            return float(match.group(1)) if match else 0.0
+
+        return (value(r"^tandem_spec_decode_num_drafts_total"),
+                value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="verified"\}'),
+                value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="stale"\}'))
+
+
+def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -> tuple[list[subprocess.Popen], list[Lane], ProxyThread]:
+    target_port = free_port()
+    proxy = ProxyThread(f"127.0.0.1:{target_port}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"}
-    for child in child_commands(settings):
-        argv = list(child.argv)
-        if child.name == "draft":  # the draft reaches the target through the proxy
-            argv[argv.index("--target-address") + 1] = proxy.proxy.address
-            argv += args.draft_arg
-        with open(log_dir / f"{child.name}.log", "w") as log:
-            processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                              env={**env, **child.env}, start_new_session=True))
-        deadline = time.monotonic() + args.ready_timeout_s
-        while not is_serving(child.health_address, timeout=1.0):
-            if processes[-1].poll() is not None or time.monotonic() > deadline:
-                stop(processes)
-                raise SystemExit(f"{child.name} did not start: {(log_dir / f'{child.name}.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-    return processes, settings, proxy
+    processes: list[subprocess.Popen] = []
+    lanes = []
+    for index, depth in enumerate(depths):
+        settings = ServeSettings(
+            target_model=args.target_model, draft_model=args.draft_model, http_port=free_port(),
+            grpc_port=free_port(), draft_port=free_port(), target_port=target_port, draft_metrics_port=free_port(),
+            target_metrics_port=0, log_level="warning", stream_smoothing="off",
+            **({"num_speculative_tokens": args.k} if args.k else {}),
+        )
+        for child in child_commands(settings):
+            argv = list(child.argv)
+            if child.name.startswith("target"):
+                if index:
+                    continue  # one target serves every lane
+                argv += args.target_arg
+            if child.name.startswith("draft"):  # the draft reaches the target through the proxy
+                argv[argv.index("--target-address") + 1] = proxy.proxy.address
+                argv += [f"--pipeline-depth={depth}", *args.draft_arg]
+            name = f"{child.name}-{depth}"
+            with open(log_dir / f"{name}.log", "w") as log:
+                processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                  env={**env, **child.env}, start_new_session=True))
+            deadline = time.monotonic() + args.ready_timeout_s
+            while not is_serving(child.health_address, timeout=1.0):
+                if processes[-1].poll() is not None or time.monotonic() > deadline:
+                    stop(processes)
+                    raise SystemExit(f"{name} did not start: {(log_dir / f'{name}.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        lanes.append(Lane(depth, f"http://127.0.0.1:{settings.http_port}",
+                          f"http://127.0.0.1:{settings.draft_metrics_port}/metrics"))
+    return processes, lanes, proxy
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -93,43 +126,97 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.kill()
 
 
-def main(args: argparse.Namespace) -> None:
-    delays = [float(d) for d in args.delays_ms.split(",")]
+def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) -> list[dict]:
     prompts = load_prompts(args.prompts, args.limit)
+    # (lane index or -1, mode): on through every lane, off once, auto through the last lane.
+    runs = [*((i, SPECULATIVE) for i in range(len(depths))), (len(depths) - 1, AUTOREGRESSIVE), (len(depths) - 1, AUTO)]
+    results: dict[tuple[float, int, str], list] = {(d, i, m): [] for d in delays for i, m in runs}
+    blocks = {(d, i): [0.0, 0.0, 0.0] for d in delays for i in range(len(depths))}
     with tempfile.TemporaryDirectory() as folder:
-        processes, settings, proxy = start_services(args, Path(folder))
+        processes, lanes, proxy = start_services(args, depths, Path(folder))
         try:
-            url = f"http://127.0.0.1:{settings.http_port}"
-            results: dict[tuple[float, str], list] = {(d, m): [] for d in delays for m in MODES}
             with httpx.Client(timeout=600) as client:
-                options = RequestOptions(served_model(client, url), args.max_tokens, 0.0, "off")
-                for prompt in prompts[: args.warmup]:  # warm up (every mode, no delay)
-                    for mode in MODES:
-                        run_one(client, url, prompt, mode, options)
+                options = RequestOptions(served_model(client, lanes[0].url), args.max_tokens, 0.0, "off")
+                for prompt in prompts[: args.warmup]:  # warm up (every lane and mode, no delay)
+                    for i, mode in runs:
+                        run_one(client, lanes[i].url, prompt, mode, options)
                 for index, prompt in enumerate(prompts):
                     for delay in delays:
                         proxy.set_delay_ms(delay)
-                        for mode in MODES:
-                            results[(delay, mode)].append(run_one(client, url, prompt, mode, options, index))
+                        for i, mode in runs:
+                            before = lanes[i].blocks() if mode == SPECULATIVE else None
+                            results[(delay, i, mode)].append(run_one(client, lanes[i].url, prompt, mode, options, index))
+                            if before is not None:
+                                after = lanes[i].blocks()
+                                for j in range(3):
+                                    blocks[(delay, i)][j] += after[j] - before[j]
                     print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
         finally:
             proxy.stop()
             stop(processes)
     rows = []
-    base = summarize(results[(delays[0], SPECULATIVE)]).tokens_per_s
-    print(f"{'one-way delay (ms)':>18} {'spec tok/s':>11} {'AR tok/s':>9} {'auto tok/s':>11} {'speedup':>8} "
-          f"{'spec vs 0 ms':>13} {'tokens/round':>13}")
     for delay in delays:
-        spec, ar, auto = (summarize(results[(delay, mode)]) for mode in MODES)
-        per_round = spec.mean_accepted_length or 0.0
-        rows.append({"delay_ms": delay, "speculative_tokens_per_s": spec.tokens_per_s,
-                     "autoregressive_tokens_per_s": ar.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
-                     "speedup": spec.tokens_per_s / ar.tokens_per_s,
-                     "speculative_vs_no_delay": spec.tokens_per_s / base, "tokens_per_round": per_round})
-        print(f"{delay:>18g} {spec.tokens_per_s:>11.1f} {ar.tokens_per_s:>9.1f} {auto.tokens_per_s:>11.1f} "
-              f"{rows[-1]['speedup']:>7.2f}x {rows[-1]['speculative_vs_no_delay']:>12.2f}x {per_round:>13.2f}")
+        off = summarize(results[(delay, len(depths) - 1, AUTOREGRESSIVE)])
+        auto = summarize(results[(delay, len(depths) - 1, AUTO)])
+        for i, depth in enumerate(depths):
+            on = summarize(results[(delay, i, SPECULATIVE)])
+            base = summarize(results[(delays[0], i, SPECULATIVE)]).tokens_per_s
+            rounds, held, stale = blocks[(delay, i)]
+            rows.append({
+                "delay_ms": delay, "depth": depth, "speculative_tokens_per_s": on.tokens_per_s,
+                "autoregressive_tokens_per_s": off.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
+                "speedup": on.tokens_per_s / off.tokens_per_s, "speculative_vs_no_delay": on.tokens_per_s / base,
+                "tokens_per_round": on.mean_accepted_length or 0.0,
+                "pipelined_share": held / rounds if rounds else 0.0,
+                "stale_rate": stale / (held + stale) if held + stale else 0.0,
+            })
+    return rows
+
+
+def print_table(rows: list[dict], depths: list[int]) -> None:
+    print("| one-way delay (ms) | depth | on (tok/s) | off (tok/s) | auto, depth "
+          f"{depths[-1]} (tok/s) | on / off | on vs 0 ms | tokens/round | rounds pipelined | stale rate |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        pipelined = row["depth"] > 1
+        print(f"| {row['delay_ms']:g} | {row['depth']} | {row['speculative_tokens_per_s']:.1f} | "
+              f"{row['autoregressive_tokens_per_s']:.1f} | {row['auto_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+              f"{row['speculative_vs_no_delay']:.2f}x | {row['tokens_per_round']:.2f} | "
+              + (f"{row['pipelined_share']:.0%} | {row['stale_rate']:.0%} |" if pipelined else "- | - |"))
+
+
+def plot(rows: list[dict], depths: list[int], path: str) -> None:
+    """Speedup over autoregressive decoding against the one-way delay, a line per depth (and auto)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    for depth in depths:
+        mine = [r for r in rows if r["depth"] == depth]
+        axes.plot([r["delay_ms"] for r in mine], [r["speedup"] for r in mine], marker="o",
+                  label=f"on, --pipeline-depth {depth}")
+    last = [r for r in rows if r["depth"] == depths[-1]]
+    axes.plot([r["delay_ms"] for r in last], [r["auto_tokens_per_s"] / r["autoregressive_tokens_per_s"] for r in last],
+              marker="s", linestyle="--", label=f"auto, depth {depths[-1]}")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("one-way draft-target delay (ms)")
+    axes.set_ylabel("tokens/s over autoregressive")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> None:
+    delays = [float(d) for d in args.delays_ms.split(",")]
+    depths = [int(d) for d in args.depths.split(",")]
+    rows = measure(args, delays, depths)
+    print_table(rows, depths)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
+    if args.plot:
+        plot(rows, depths, args.plot)
 
 
 if __name__ == "__main__":
@@ -138,12 +225,16 @@ if __name__ == "__main__":
     parser.add_argument("--draft-model", default="auto")
     parser.add_argument("--k", type=int, default=0, help="K (0: tandem's default)")
     parser.add_argument("--delays-ms", default="0,1,5,20", help="one-way delays of the draft-target hop")
+    parser.add_argument("--depths", default="1,2", help="pipeline depths compared (a draft and gateway each)")
     parser.add_argument("--prompts", default=None, help="JSONL of {domain, prompt} (default: the bench's set)")
     parser.add_argument("--limit", type=int, default=12, help="prompts (0: all)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ready-timeout-s", type=float, default=600)
     parser.add_argument("--draft-arg", action="append", default=[], metavar="ARG",
-                        help="one more argument for the draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")
+                        help="one more argument for every draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")
+    parser.add_argument("--target-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the target's command line")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the speedup against the delay")
     main(parser.parse_args())

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
+from draft_service.hop import HopStats
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.pipeline import PipelinedLoop
 from draft_service.proposers.base import Proposer, ProposerSession
@@ -111,7 +112,8 @@ class DraftEngine:
         session's proposals to the length that pays best (None: they go whole). ``target_info``:
         of the target checked at start-up, standing for every target of the pool.
         ``pipeline_depth``: blocks of a session in flight at once (draft_service.pipeline; 1: the
-        synchronous loop)."""
+        synchronous loop), sent ahead where the measured hop to their target says it pays
+        (draft_service.hop, one per target address)."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -127,6 +129,7 @@ class DraftEngine:
         self._clock = clock
         self.block_lengths = block_lengths
         self.pipeline_depth = pipeline_depth
+        self._hops: dict[str, HopStats] = {}
 
     @property
     def active_sessions(self) -> list[str]:
@@ -168,7 +171,9 @@ class DraftEngine:
             if proposer_session is None:
                 proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
             stream = target.open_verify_stream(spec.session_id)
-            pipelined = {"depth": self.pipeline_depth} if self.pipeline_depth > 1 else {}
+            pipelined = {}
+            if self.pipeline_depth > 1:
+                pipelined = {"depth": self.pipeline_depth, "hop": self._hops.setdefault(target_address, HopStats())}
             loop = (PipelinedLoop if pipelined else SpeculationLoop)(
                 spec,
                 proposer_session,
@@ -183,6 +188,7 @@ class DraftEngine:
                 **pipelined,
             )
             async for result in loop.rounds():
+                self._count_pipelined(loop)
                 if result.verified:
                     self._metrics.record_round(result.num_draft_tokens, result.num_accepted)
                     self._metrics.record_phases(
@@ -202,6 +208,8 @@ class DraftEngine:
             # CancelledError and GeneratorExit (BaseException) leave the outcome ABANDONED.
             del self._sessions[spec.session_id]
             gauge.dec()
+            if loop is not None:
+                self._count_pipelined(loop)
             if proposer_session is not None:
                 if outcome is _Outcome.COMPLETED and finish_reason is FinishReason.NONE and loop is not None:
                     self._park(
@@ -219,6 +227,13 @@ class DraftEngine:
             # nothing: the target has freed it already.
             if outcome is _Outcome.ABANDONED and finish_reason is FinishReason.NONE:
                 self._release_later(target, spec.session_id)
+
+    def _count_pipelined(self, loop: SpeculationLoop) -> None:
+        """Adds a pipelined loop's blocks judged since the last count to the metric."""
+        if isinstance(loop, PipelinedLoop):
+            for outcome, count in zip(("verified", "stale"), loop.judged_since_last(), strict=True):
+                if count:
+                    self._metrics.pipelined_blocks.labels(outcome=outcome).inc(count)
 
     def _resume(
         self, spec: SessionSpec, target_address: str

@@ -58,6 +58,38 @@ class Proposal:
         path of a tree (a tree of 5 nodes may offer only 3)."""
         return max(depths(self.parents)) if self.parents else len(self.token_ids)
 
+    def likely_path(self) -> tuple[int, ...]:
+        """The drafts a block is most likely to have accepted whole: a chain's tokens, or the root
+        path of a tree that takes each node's first child. Trees are grown best-first (a node's
+        first child is its most probable one) and siblings follow their parent in the block."""
+        if not self.parents:
+            return self.token_ids
+        path, node = [], -1
+        for index, parent in enumerate(self.parents):
+            if parent == node:
+                path.append(self.token_ids[index])
+                node = index
+        return tuple(path)
+
+    def below_first(self) -> Proposal:
+        """The drafts after the first: a chain's tail, or the subtree under a tree's first node
+        (its children become roots). What a block carries when the first draft is a guess taken as
+        committed instead of sent."""
+        if not self.token_ids:
+            return self
+        if not self.parents:
+            return Proposal(self.token_ids[1:], self.probs[1:], self.sources[1:])
+        index_of = {0: -1}  # node -> its index in the subtree (node 0 -> the root)
+        tokens, parents, sources = [], [], []
+        for node in range(1, len(self.token_ids)):
+            if self.parents[node] in index_of:
+                index_of[node] = len(tokens)
+                tokens.append(self.token_ids[node])
+                parents.append(index_of[self.parents[node]])
+                if self.sources:
+                    sources.append(self.sources[node])
+        return Proposal(tuple(tokens), sources=tuple(sources), parents=tuple(parents))
+
     def cut(self, length: int) -> Proposal:
         """The first ``length`` drafts (with their q and sources)."""
         if length >= len(self.token_ids):

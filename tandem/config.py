@@ -208,7 +208,8 @@ class DraftSettings(_Base):
     pipeline_depth: int = Field(
         1, ge=1, le=8,
         description="blocks of a session in flight to the target at once: the next block goes out before the "
-        "verdict of the one before it, on the assumption that it is accepted whole (1 = one block per round trip)",
+        "verdict of the one before it, on the assumption that it is accepted whole, where the measured round trip "
+        "to the target says that pays (1 = one block per round trip; docs/pipelining.md)",
     )
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
     ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")

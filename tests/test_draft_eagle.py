@@ -22,14 +22,15 @@ from draft_service.block_length import PriorFileError, save_prior
 from draft_service.errors import IncompatibleDraftError
 from draft_service.loop import SpeculationLoop
 from draft_service.main import start_draft
+from draft_service.pipeline import PipelinedLoop
 from draft_service.proposers import eagle_head_dir, make_proposer
 from draft_service.proposers.eagle import EagleProposer, EagleSession, check_head_fits_target
 from draft_service.proposers.hf import VOCAB_IDS_FILE, HfProposer
-from draft_service.types import ProposedBlock, FinishReason, Proposal, SamplingParams, SessionSpec, TargetInfo
-from tandem.models import eagle as eagle_module
+from draft_service.types import FinishReason, Proposal, ProposedBlock, SamplingParams, SessionSpec, TargetInfo
 from tandem.config import DraftSettings
-from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
 from tandem.models import ModelSpecError, is_eagle_draft, load_model, tokenizer_fingerprint
+from tandem.models import eagle as eagle_module
+from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
 from tandem.quant.modules import QuantLinear
 from tandem.quant.native import QuantKernel, probe
 from tandem.rpc import codecs
@@ -120,28 +121,40 @@ class EngineVerifier:
     def __init__(self, engine: TargetEngine) -> None:
         self.engine = engine
         self.blocks: list[ProposedBlock] = []
+        self._answers: list = []  # verdicts of blocks sent and not received yet, oldest first
 
     async def verify(self, block: ProposedBlock):
+        await self.send(block)
+        return await self.receive(block.block_id)
+
+    async def send(self, block: ProposedBlock) -> None:
+        """Judged at once, in order (what the target does with a stream's blocks)."""
         self.blocks.append(block)
         verdict = self.engine.verify(block.block())
-        return wire.verdict_from_response(target_wire.verify_response(verdict))
+        self._answers.append(wire.verdict_from_response(target_wire.verify_response(verdict)))
+
+    async def receive(self, block_id: int):
+        verdict = self._answers.pop(0)
+        assert verdict.block_id == block_id, (verdict.block_id, block_id)
+        return verdict
 
 
 async def run_inline(fn, *args):
     return fn(*args)
 
 
-async def speculate_in_process(loaded, proposer, n: int, k: int = 4, **sampling):
-    """Prefills a session in a TargetEngine and runs the speculation loop to its end."""
+async def speculate_in_process(loaded, proposer, n: int, k: int = 4, depth: int = 1, **sampling):
+    """Prefills a session in a TargetEngine and runs the speculation loop to its end (the
+    pipelined loop with ``depth`` blocks in flight when depth > 1)."""
     engine = TargetEngine(loaded)
     first = engine.prefill("s", PROMPT, SessionConfig(max_new_tokens=n, **sampling))
     committed = (*PROMPT, first.token_id)
     sampling_config = SamplingParams(**sampling)
     spec = SessionSpec("s", committed, len(PROMPT), sampling_config, k, session_max_new_tokens=n)
     verifier = EngineVerifier(engine)
-    loop = SpeculationLoop(
+    loop = (PipelinedLoop if depth > 1 else SpeculationLoop)(
         spec, proposer.new_session(committed, sampling_config), verifier, run_inline,
-        want_hidden_states=proposer.wants_hidden_states,
+        want_hidden_states=proposer.wants_hidden_states, **({"depth": depth} if depth > 1 else {}),
     )
     results = [r async for r in loop.rounds()]
     tokens = [first.token_id, *(t for r in results for t in r.token_ids)]
@@ -282,8 +295,13 @@ def test_commit_takes_the_feature_from_the_last_row(llama, llama_head):
     assert session.feature is None and session.propose(4) == Proposal()
     session.commit(len(PROMPT) + 5, (72,), torch.randn(1, 32))
     assert session.feature is not None
+    anchor = session.feature
+    # Tokens taken as committed without states (a pipelined block's assumption): the head rolls its
+    # own feature over them, one step from the last verdict's.
     session.commit(len(PROMPT) + 6, (73,), None)
-    assert session.propose(4) == Proposal()
+    rolled, _ = proposer.drafter.step(anchor[None], torch.tensor([72]))
+    torch.testing.assert_close(session.feature, rolled[0].float())
+    assert session.propose(4).token_ids
     # A target whose states lie about their shape (the right number of values, another hidden
     # size) gets no step on them: no crash, an empty block.
     session.commit(len(PROMPT) + 7, (74, 75), torch.randn(2, 32))

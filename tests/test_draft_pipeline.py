@@ -6,9 +6,16 @@ over gRPC with the real target."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
+import numpy as np
 import pytest
+import torch
 from draft_fakes import InMemoryVerifier, generate_greedy
+from scipy.stats import chisquare
 from test_draft_loop import PROMPT, collect, draft, near_target, run_inline, start_session, streamed, target  # noqa: F401
+from test_target_sampling import one_thread, small_vocab_target  # noqa: F401
 
 from draft_service.pipeline import PipelinedLoop
 from draft_service.proposers.hf import HfProposer
@@ -65,8 +72,12 @@ async def test_a_call_that_ends_with_blocks_in_flight_streams_what_they_commit(t
     assert [committed[-1], *streamed(results), *streamed(rest)] == expected
 
 
-async def test_pipelined_speculation_over_grpc_equals_generate(target):
-    """The draft service with --pipeline-depth 2 against the real target service."""
+async def test_pipelined_speculation_over_grpc_equals_generate(target, monkeypatch):
+    """The draft service with --pipeline-depth 2 against the real target service (sending ahead
+    whatever the hop costs: over loopback the measured rule would rarely)."""
+    from draft_service.hop import HopStats
+
+    monkeypatch.setattr(HopStats, "send_ahead", lambda self: True)
     import grpc
     from test_draft_e2e import PROMPT as E2E_PROMPT
     from test_draft_e2e import prefill
@@ -88,6 +99,217 @@ async def test_pipelined_speculation_over_grpc_equals_generate(target):
         assert replies[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         tokens = [request.token_ids[-1], *(t for r in replies for t in r.token_ids)]
         assert tokens == generate_greedy(target.model, E2E_PROMPT, n, target.tokenizer.eos_token_id)
+        # The same weights draft: assumptions hold, and the metric counts them.
+        held = drafting.engine._metrics.pipelined_blocks.labels(outcome="verified")._value.get()
+        stale = drafting.engine._metrics.pipelined_blocks.labels(outcome="stale")._value.get()
+        assert held >= 2 and stale == 0
+    finally:
+        await drafting.stop(0)
+        await served.stop(0)
+
+
+# --------------------------------------------------------------------------- the eagle head's drafters
+
+
+@pytest.fixture(scope="module")
+def eagle_head(target, tmp_path_factory):
+    from test_draft_eagle import make_head
+
+    return make_head(tmp_path_factory.mktemp("head"), target)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("drafter", ["eagle", "ngram+eagle trees", "ngram+eagle chains"])
+async def test_pipelined_eagle_drafters_are_lossless_and_draft_on_their_own_features(target, eagle_head, drafter,
+                                                                                     depth):
+    """Assumed tokens bring no hidden states: the head rolls its own features over them and keeps
+    drafting (trees: along their most probable path), and the output is still the target's."""
+    from test_draft_eagle import PROMPT as EAGLE_PROMPT
+    from test_draft_eagle import load_eagle, speculate_in_process
+
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+
+    n = 32
+    eagle = load_eagle(eagle_head, target)
+    proposer = {"eagle": lambda: eagle, "ngram+eagle trees": lambda: NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5),
+                "ngram+eagle chains": lambda: NgramFirstProposer(NgramProposer(), eagle)}[drafter]()
+    tokens, _, blocks = await speculate_in_process(target, proposer, n, k=3, depth=depth)
+    assert tokens == generate_greedy(target.model, EAGLE_PROMPT, n, target.tokenizer.eos_token_id)
+    assumed = [b for b in blocks if b.assumed_token_ids]
+    assert assumed and any(b.proposal.token_ids for b in assumed)  # drafted past a guess, on rolled features
+    if drafter == "ngram+eagle trees":
+        after_tree = [b for before, b in itertools.pairwise(blocks) if before.proposal.parents and b.assumed_token_ids]
+        assert after_tree  # a tree's most probable path taken as accepted
+        for before, block in itertools.pairwise(blocks):
+            if block.assumed_token_ids and before.proposal.parents and before.base_len == block.base_len:
+                path, skip = before.proposal.likely_path(), len(before.assumed_token_ids)
+                assert block.assumed_token_ids[skip: skip + len(path)] == path
+
+
+async def test_the_heads_rollout_reuses_what_it_predicted_and_is_bounded(
+        target, eagle_head, monkeypatch):
+    """The rollout reuses what the head predicted while drafting: tokens the head drafted itself
+    cost no step when taken as committed."""
+    from test_draft_eagle import load_eagle
+
+    eagle = load_eagle(eagle_head, target)
+    session = eagle.new_session(PROMPT, SamplingParams())
+    hidden = torch.randn(2, eagle.drafter.config.hidden_size)
+    session.commit(len(PROMPT), (11, 12), hidden)
+    block = session.propose(3)
+    assert len(block.token_ids) >= 1
+    steps = []
+    step = eagle.drafter.step
+    monkeypatch.setattr(eagle.drafter, "step", lambda *a: steps.append(1) or step(*a))
+    session.commit(len(PROMPT) + 2, block.token_ids, None)  # the whole block taken as accepted
+    assert session.has_feature and steps == []
+    # Rolled back to the verdict: its own feature again.
+    session.commit(len(PROMPT) + 2, (), None)
+    torch.testing.assert_close(session.feature, hidden[-1])
+    # Tokens the head did not draft cost a step each, and past MAX_ROLLOUT none is taken.
+    from draft_service.proposers.eagle import MAX_ROLLOUT
+
+    session.commit(len(PROMPT) + 2, (5, 6, 7), None)
+    assert session.has_feature and len(steps) == 3
+    session.commit(len(PROMPT) + 2, tuple(range(5, 6 + MAX_ROLLOUT)), None)
+    assert not session.has_feature and len(steps) == 3
+
+
+# --------------------------------------------------------------------------- sampling, statistically
+
+
+async def test_pipelined_sampling_matches_the_target_distribution(small_vocab_target, one_thread):
+    """Blocks drafted on a guessed bonus token are verified only when the target committed exactly
+    that token: the joint distribution of the first 3 generated tokens is the target's (chi-square
+    and total variation against the exact joint, as tests/test_target_sampling.py does for one
+    block), with assumptions that held and ones that failed in the same trials."""
+    from test_draft_eagle import EngineVerifier
+    from test_target_sampling import PROMPT as SMALL_PROMPT
+    from test_target_sampling import TRIALS, VOCAB, exact_joint
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tandem.models import LoadedModel
+    from target_service.engine import TargetEngine
+    from target_service.session import SessionConfig
+
+    torch.manual_seed(12)  # a draft over the same 5 tokens with other weights
+    base = small_vocab_target.model
+    draft_model = LlamaForCausalLM(LlamaConfig(**{**base.config.to_dict(), "num_hidden_layers": 1})).eval()
+    loaded = LoadedModel("vocab5-draft", draft_model, small_vocab_target.tokenizer, small_vocab_target.hf_dir,
+                         "float32", "cpu")
+    proposer = HfProposer(loaded, vocab_limit=VOCAB)
+    engine = TargetEngine(small_vocab_target)
+    temperature = 1.0
+    counts = np.zeros((VOCAB,) * 3)
+    held = stale = 0
+    for trial in range(TRIALS):
+        first = engine.prefill("s", SMALL_PROMPT, SessionConfig(max_new_tokens=8, temperature=temperature, seed=trial,
+                                                                ignore_eos=True))
+        committed = (*SMALL_PROMPT, first.token_id)
+        sampling = SamplingParams(temperature=temperature, seed=10_000 + trial)
+        spec = SessionSpec("s", committed, len(SMALL_PROMPT), sampling, 2, session_max_new_tokens=8)
+        loop = PipelinedLoop(spec, proposer.new_session(committed, sampling), EngineVerifier(engine), run_inline,
+                             depth=2)
+        results = await collect(loop)
+        tokens = [first.token_id, *streamed(results)]
+        assert len(tokens) == 8 and results[-1].finish_reason is FinishReason.LENGTH
+        counts[tuple(tokens[:3])] += 1
+        held, stale = held + loop.held_blocks, stale + loop.stale_blocks
+        engine.release("s")
+    assert held > TRIALS // 5 and stale > TRIALS // 5  # both paths, often
+    expected = exact_joint(base, temperature, 0.0, 0).ravel()
+    counts = counts.ravel()
+    assert counts[expected == 0].sum() == 0
+    expected_counts = expected * TRIALS
+    big = expected_counts >= 5
+    observed, wanted = counts[big], expected_counts[big]
+    if (~big & (expected > 0)).any():
+        observed = np.append(observed, counts[~big & (expected > 0)].sum())
+        wanted = np.append(wanted, expected_counts[~big & (expected > 0)].sum())
+    wanted = wanted * observed.sum() / wanted.sum()
+    p_value = chisquare(observed, wanted).pvalue
+    tv = 0.5 * np.abs(counts / TRIALS - expected).sum()
+    mean_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * TRIALS)) for p in expected)
+    assert p_value > 1e-3 and tv < 1.5 * mean_tv, f"chi-square p={p_value:.2e}, TV={tv:.4f} (exact ~{mean_tv:.4f})"
+
+
+def test_verdicts_that_arrive_before_the_next_proposal_reach_the_proposer_as_one_commit():
+    from draft_service.errors import ProtocolError
+    from draft_service.pipeline import _after
+
+    states = torch.randn(5, 4)  # [committed, hidden]
+    first, second = (10, (1, 2), states[:2]), (12, (3, 4, 5), states[2:])
+    base, tokens, merged = _after(_after(None, first), second)
+    assert (base, tokens) == (10, (1, 2, 3, 4, 5)) and torch.equal(merged, states)
+    assert _after((10, (), None), first) == first  # a roll back to the confirmed length, then the verdict
+    assert _after(first, (12, (3,), None))[2] is None  # states for some rows only: none (the head rolls its own)
+    with pytest.raises(ProtocolError):
+        _after(first, (13, (3,), None))
+
+
+def test_blocks_go_ahead_where_the_hop_costs_more_than_drafting_them():
+    from draft_service.hop import EXPLORE_EVERY, PRIOR_HOLD, HopStats
+
+    hop = HopStats()
+    assert hop.hold_rate == PRIOR_HOLD and not hop.send_ahead()  # nothing measured: no transport to hide
+    for _ in range(8):
+        hop.observe_propose(0.004, ahead=False)
+        hop.observe_transport(0.0003)  # loopback
+    assert not any(hop.send_ahead() for _ in range(EXPLORE_EVERY - 2))
+    assert hop.send_ahead()  # ... but every EXPLORE_EVERY-th chance goes, to keep the hold rate measured
+    for _ in range(64):
+        hop.observe_transport(0.040)  # a 20 ms link each way: 0.25 * 40 ms > 4 ms
+    assert hop.send_ahead()
+    for _ in range(64):
+        hop.observe_ahead(held=False)  # ... unless blocks sent ahead never hold
+    assert hop.hold_rate < 0.02 and not hop.send_ahead()
+    for _ in range(64):
+        hop.observe_ahead(held=True)
+        hop.observe_propose(0.030, ahead=True)  # and a proposal ahead that costs more than half the trip
+    assert hop.hold_rate > 0.45 and hop.propose_s == 0.030 and not hop.send_ahead()
+
+
+async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkeypatch):
+    """The draft dies while blocks are in flight: the target commits what it verified, whoever
+    listens, and stays consistent; the gateway's resync (a fresh session on the prompt and the
+    streamed tokens, decoded by the target) gives the target's output exactly."""
+    import grpc
+    from test_draft_e2e import PROMPT as E2E_PROMPT
+    from test_draft_e2e import prefill
+
+    from draft_service.hop import HopStats
+    from draft_service.main import start_draft
+    from tandem.v1 import draft_pb2_grpc
+    from target_service.engine import TargetEngine
+    from target_service.main import start_target
+    from target_service.session import SessionConfig
+
+    monkeypatch.setattr(HopStats, "send_ahead", lambda self: True)
+    n = 40
+    expected = generate_greedy(target.model, E2E_PROMPT, n, target.tokenizer.eos_token_id)
+    engine = TargetEngine(target)
+    served = await start_target(engine)
+    address = f"127.0.0.1:{served.port}"
+    drafting = await start_draft(lambda info: HfProposer(target), address, num_speculative_tokens=2,
+                                 target_wait_s=10, pipeline_depth=3)
+    try:
+        request = await prefill(address, target, "doomed", n)
+        streamed_ids = [request.token_ids[-1]]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{drafting.port}") as channel:
+            async for reply in draft_pb2_grpc.DraftServiceStub(channel).Speculate(request):
+                streamed_ids += reply.token_ids
+                if len(streamed_ids) >= 6:
+                    await drafting.stop(0)  # killed mid-stream, blocks in flight
+                    break
+        # The target's session: consistent, and holding at least what was streamed.
+        session = engine.store.get("doomed")
+        committed = list(session.tokens[len(E2E_PROMPT):]) if session is not None else streamed_ids
+        assert committed[: len(streamed_ids)] == streamed_ids and committed == expected[: len(committed)]
+        # The gateway's resync: a fresh target session on what the client has, decoded by the target.
+        engine.prefill("resync", [*E2E_PROMPT, *streamed_ids[:-1]], SessionConfig(max_new_tokens=n - len(streamed_ids) + 1))
+        engine.generate("resync", n)
+        rest = list(engine.store.get("resync").tokens[len(E2E_PROMPT) + len(streamed_ids) - 1:])
+        assert [*streamed_ids[:-1], *rest] == expected
     finally:
         await drafting.stop(0)
         await served.stop(0)

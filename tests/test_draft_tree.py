@@ -52,6 +52,10 @@ class ScriptedHead:
     def __init__(self, table: dict[int, HeadGuesses]) -> None:
         self.table = table
         self.expanded: list[int] = []
+        self.remembered: dict[tuple[int, ...], torch.Tensor] = {}  # a node's root path -> its feature
+
+    def remember(self, drafts: tuple[int, ...], feature: torch.Tensor) -> None:
+        self.remembered[drafts] = feature
 
     def guesses_after(self, features: torch.Tensor, tokens: list[int], k: int) -> list[HeadGuesses]:
         assert features.shape == (len(tokens), 4)  # [b, hidden]: one batched step

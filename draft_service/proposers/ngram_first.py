@@ -88,6 +88,7 @@ class TokenTree:
         self._tokens: list[int] = []
         self._parents: list[int] = []
         self._sources: list[str] = []
+        self._paths: list[tuple[int, ...]] = []  # each node's drafts from the root, itself included
         self._nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
         self._expanded: set[int] = set()  # nodes whose head guesses are in the frontier
         self._frontier: list[_Candidate] = []
@@ -143,6 +144,9 @@ class TokenTree:
             self._tokens.append(candidate.token)
             self._parents.append(candidate.parent)
             self._sources.append(TREE_LOOKUP_SOURCE if candidate.lookup_depth >= 0 else TREE_HEAD_SOURCE)
+            self._paths.append((*self._paths[candidate.parent], candidate.token) if candidate.parent >= 0 else (candidate.token,))
+            if candidate.feature is not None:  # what the head predicted there, for a rollout over the path
+                self._head.remember(self._paths[node], candidate.feature)
         return node
 
     def _push_guesses(self, parent: int, probability: float, guesses: HeadGuesses) -> None:

@@ -26,6 +26,7 @@ class Metrics:
     acceptance_rate: Gauge
     verify_duration: Histogram
     round_phase: Histogram
+    pipelined_blocks: Counter
     pass_sessions: Histogram
     time_to_first_token: Histogram
     inter_token_latency: Histogram
@@ -99,6 +100,14 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
             "transport (the Verify round trip beyond that pass) and other (the rest of the round)",
             ["phase"],
             buckets=_PHASE_BUCKETS,
+            registry=reg,
+        ),
+        pipelined_blocks=Counter(
+            "tandem_spec_decode_pipelined_blocks",
+            "Blocks sent before the verdict of the block before them (--pipeline-depth above 1), by what "
+            "became of the assumption they were drafted on: verified (it held) or stale (it did not: "
+            "answered without a pass, drafted anew from the verdict)",
+            ["outcome"],
             registry=reg,
         ),
         pass_sessions=Histogram(
