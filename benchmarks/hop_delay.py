@@ -5,10 +5,10 @@ One target, and for each pipeline depth a draft and a gateway as ``tandem serve`
 (its own child commands, on free ports). Every draft reaches the target through one delaying TCP
 proxy (``tandem.tools.bench.delay_proxy``), so every block and verdict crosses a link of the
 chosen one-way latency; the gateways reach the target directly (autoregressive decoding never
-crosses the hop). The proxy's delay changes between requests, and each prompt is sent at every
-delay in turn, in every mode, interleaved: speculation forced on through each depth's gateway,
-off (autoregressive), and ``auto`` (the default: falls back where speculation does not pay)
-through the last depth's. Reported per delay: tokens/s (the bench's definition: completion tokens
+crosses the hop). One delay after another (a link's delay is stable, and the drafts learn it:
+``--warmup`` prompts at each delay go unmeasured), each prompt is sent in every mode, interleaved:
+speculation forced on through each depth's gateway, off (autoregressive), and ``auto`` (the
+default: falls back where speculation does not pay) through the last depth's. Reported per delay: tokens/s (the bench's definition: completion tokens
 over request time) of each, the speedup of on over off, on's tokens/s relative to delay 0, the
 mean committed tokens per round, and for pipelined depths the share of blocks sent on an
 assumption that came back stale (``tandem_spec_decode_pipelined_blocks_total``).
@@ -71,7 +71,7 @@ class Lane:
         text = httpx.get(self.metrics_url, timeout=10).text
 
         def value(pattern: str) -> float:
-            match = re.search(pattern + r"\s+([0-9.e+-]+)", text)
+            match = re.search(pattern + r"\s+([0-9.e+-]+)", text, re.MULTILINE)
             return float(match.group(1)) if match else 0.0
 
         return (value(r"^tandem_spec_decode_num_drafts_total"),
@@ -137,20 +137,20 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
         try:
             with httpx.Client(timeout=600) as client:
                 options = RequestOptions(served_model(client, lanes[0].url), args.max_tokens, 0.0, "off")
-                for prompt in prompts[: args.warmup]:  # warm up (every lane and mode, no delay)
-                    for i, mode in runs:
-                        run_one(client, lanes[i].url, prompt, mode, options)
-                for index, prompt in enumerate(prompts):
-                    for delay in delays:
-                        proxy.set_delay_ms(delay)
+                for delay in delays:  # a link's delay is stable: the drafts learn it, as they would
+                    proxy.set_delay_ms(delay)
+                    for prompt in prompts[: args.warmup]:  # unmeasured, every lane and mode
                         for i, mode in runs:
+                            run_one(client, lanes[i].url, prompt, mode, options)
+                    for index, prompt in enumerate(prompts):
+                        for i, mode in runs:  # modes and depths interleaved per prompt
                             before = lanes[i].blocks() if mode == SPECULATIVE else None
                             results[(delay, i, mode)].append(run_one(client, lanes[i].url, prompt, mode, options, index))
                             if before is not None:
                                 after = lanes[i].blocks()
                                 for j in range(3):
                                     blocks[(delay, i)][j] += after[j] - before[j]
-                    print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+                    print(f"delay {delay:g} ms done", file=sys.stderr, flush=True)
         finally:
             proxy.stop()
             stop(processes)
@@ -229,7 +229,7 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", default=None, help="JSONL of {domain, prompt} (default: the bench's set)")
     parser.add_argument("--limit", type=int, default=12, help="prompts (0: all)")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured prompts at each delay")
     parser.add_argument("--ready-timeout-s", type=float, default=600)
     parser.add_argument("--draft-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for every draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")

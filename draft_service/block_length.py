@@ -17,10 +17,13 @@ number of committed tokens per second of the round peaks:
   the drafter's measured rates where it ships them (an eagle head's ``acceptance.json``) instead
   of a coin flip per draft, which cut lookup's long copies short while it learned. The proposer names the
   sources (``Proposal.sources``); a proposal without them is sent whole.
-- ``cost(n)``: the median seconds from sending a block of n - 1 drafts to its verdict, over the
-  last rounds that sent such a block (``RoundCosts``); sizes never seen are interpolated from the
-  sizes next to them, and without any the proposal is sent whole. ``overhead``: the median time
-  the proposer took, spent whatever the length.
+- ``cost(n)``: the median seconds of the target's pass over a block of n - 1 drafts (the
+  ``verify_seconds`` its verdicts report; where a target reports none, the whole round from sending
+  to verdict), over the last rounds that sent such a block (``RoundCosts``); sizes never seen are
+  interpolated from the sizes next to them, and without any the proposal is sent whole.
+  ``overhead``: what a round costs whatever the length: the median time the proposer took, and the
+  round trip to the session's target beyond its pass (measured per target, ``draft_service.hop``),
+  so blocks grow with the distance to the target where acceptance allows.
 
 The numerator is the tokens a round commits in expectation (the accepted drafts plus the target's
 own token), so cutting never changes which tokens are committed, only how many rounds it takes:
@@ -204,12 +207,19 @@ class BlockLengthPolicy:
         self.acceptance = AcceptanceTally(prior)
         self.costs = RoundCosts()
         self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
+        self._transport_seconds: deque[float] = deque(maxlen=COST_WINDOW)  # round trips beyond the pass
         self._explore_every = explore_every
         self._decisions = 0
         self._rounds = 0
 
-    def length(self, sources: Sequence[str], session: AcceptanceTally | None = None) -> int:
-        """How many of the drafts named by ``sources`` to send (all of them until costs are known)."""
+    def length(self, sources: Sequence[str], session: AcceptanceTally | None = None,
+               transport_s: float | None = None) -> int:
+        """How many of the drafts named by ``sources`` to send (all of them until costs are known).
+
+        A round is priced as the target's pass over its rows plus the hop: ``transport_s``, the
+        round trip to the session's target beyond its pass (``draft_service.hop``, measured per
+        target), else the service's own median. The hop is paid once a round whatever the length,
+        so the farther the target, the longer the block that pays best."""
         n = len(sources)
         medians = self.costs.medians()
         if n == 0 or not medians:
@@ -218,6 +228,9 @@ class BlockLengthPolicy:
         if self._explore_every and self._decisions % self._explore_every == 0:
             return n
         overhead = statistics.median(self._propose_seconds) if self._propose_seconds else 0.0
+        if transport_s is None:
+            transport_s = statistics.median(self._transport_seconds) if self._transport_seconds else 0.0
+        overhead += transport_s
         best_length, best_rate = n, -1.0
         expected, reach = 1.0, 1.0  # tokens committed in expectation; chance all drafts so far pass
         for length in range(n + 1):
@@ -235,13 +248,20 @@ class BlockLengthPolicy:
         return best_length
 
     def observe(
-        self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float, propose_seconds: float
+        self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float, propose_seconds: float,
+        verify_seconds: float = 0.0,
     ) -> None:
         """A verdict of a block of ``rows - 1`` drafts (named by ``sources``, when the proposer
-        names them) that took ``seconds`` from sending to verdict and ``propose_seconds`` to draft."""
+        names them) that took ``seconds`` from sending to verdict, of which the target's pass took
+        ``verify_seconds`` (0: not reported, the whole round counts as the pass), and
+        ``propose_seconds`` to draft."""
         if sources:
             self.acceptance.observe(sources, num_accepted)
-        self.costs.observe(rows, seconds)
+        if 0.0 < verify_seconds <= seconds:
+            self.costs.observe(rows, verify_seconds)
+            self._transport_seconds.append(seconds - verify_seconds)
+        else:
+            self.costs.observe(rows, seconds)
         self._propose_seconds.append(propose_seconds)
         self._rounds += 1
         if self._rounds % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):

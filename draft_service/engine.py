@@ -106,6 +106,8 @@ class DraftEngine:
         block_lengths: BlockLengthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         pipeline_depth: int = 1,
+        pipeline_hedges: int = 1,
+        pipeline_ahead: str = "measured",
     ) -> None:
         """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
         session's next Speculate call (see :meth:`speculate`). ``block_lengths``: cuts every
@@ -113,7 +115,9 @@ class DraftEngine:
         of the target checked at start-up, standing for every target of the pool.
         ``pipeline_depth``: blocks of a session in flight at once (draft_service.pipeline; 1: the
         synchronous loop), sent ahead where the measured hop to their target says it pays
-        (draft_service.hop, one per target address)."""
+        (draft_service.hop, one per target address); ``pipeline_hedges``: blocks sent ahead on one
+        block, each on another of its likely outcomes; ``pipeline_ahead``: "measured" (where the
+        hop makes it pay) or "always"."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -129,6 +133,8 @@ class DraftEngine:
         self._clock = clock
         self.block_lengths = block_lengths
         self.pipeline_depth = pipeline_depth
+        self.pipeline_hedges = pipeline_hedges
+        self.pipeline_ahead = pipeline_ahead
         self._hops: dict[str, HopStats] = {}
 
     @property
@@ -173,7 +179,7 @@ class DraftEngine:
             stream = target.open_verify_stream(spec.session_id)
             pipelined = {}
             if self.pipeline_depth > 1:
-                pipelined = {"depth": self.pipeline_depth, "hop": self._hops.setdefault(target_address, HopStats())}
+                pipelined = {"depth": self.pipeline_depth, "hedges": self.pipeline_hedges}
             loop = (PipelinedLoop if pipelined else SpeculationLoop)(
                 spec,
                 proposer_session,
@@ -185,6 +191,7 @@ class DraftEngine:
                 pending_commit=pending_commit,
                 lengths=self.block_lengths,
                 acceptance=acceptance,
+                hop=self._hops.setdefault(target_address, HopStats(always=self.pipeline_ahead == "always")),
                 **pipelined,
             )
             async for result in loop.rounds():

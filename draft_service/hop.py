@@ -1,22 +1,28 @@
 """What the hop to one target costs, and whether a block sent ahead of a verdict pays for itself.
 
-A block sent before the verdict of the one before it (``draft_service.pipeline``) saves the round
-trip when its assumption holds, and costs a proposal whether it holds or not: draft work that, on
-a host where draft and target share cores, slows the target's pass too. So the pipelined loop
-sends one ahead only where that pays on average:
+A block sent before the verdict of the one before it (``draft_service.pipeline``) saves, when its
+assumption holds, the round trip and the proposal that would have followed the verdict; it costs
+a proposal whether it holds or not: draft work that, on a host where draft and target share cores,
+slows the target's pass too. So the pipelined loop sends one ahead only where that pays on average:
 
-    hold_rate * transport > propose
+    hold_rate * (transport + propose) > propose
 
 - ``transport``: the round trip beyond the target's pass (a verdict's arrival minus the block's
   sending, minus the ``verify_seconds`` the target reports), median over the last blocks sent
   with nothing in flight before them (a block queued behind another's pass would count that pass);
-- ``hold_rate``: the share of blocks sent ahead whose assumption held, starting from a prior;
-- ``propose``: the median seconds a proposal ahead took (the head's rollout included).
+- ``hold_rate``: the share of blocks sent ahead whose assumption held, starting from a prior, per
+  rank among the blocks sent on the same block before them (hedges: rank 0 assumes its most likely
+  outcome, rank 1 the next, ...; their outcomes exclude each other, so each is priced alone);
+- ``propose``: the median seconds a proposal took: on a verdict (what a block that held spares),
+  and ahead of one (what each block sent ahead costs; the head's rollout included).
 
 Over loopback the transport is a fraction of a millisecond and nothing is sent ahead; across a
-slow link it is, and the loop keeps blocks in flight. One ``HopStats`` per target, shared by the
+slow link it is, and the loop keeps blocks in flight. Where draft and target run on separate
+hardware a proposal ahead does not slow the target, and ``--pipeline-ahead always`` sends every
+block ahead that the depth and hedges allow. One ``HopStats`` per target, shared by the
 sessions on it: the hop is the target's, not the session's. Every ``EXPLORE_EVERY``-th chance
-goes ahead regardless, so the hold rate stays measured where the rule says no.
+goes ahead regardless, so the hold rate stays measured where the rule says no, unless not even a
+block sure to hold would pay (a hop shorter than a proposal: over loopback nothing goes ahead).
 """
 
 from __future__ import annotations
@@ -25,18 +31,22 @@ import statistics
 from collections import deque
 
 WINDOW = 64  # recent measurements each median is over
+TRANSPORT_WINDOW = 16  # ... but the hop's: a link that slows down is followed within a few rounds
 PRIOR_HOLD = 0.25  # the hold rate a fresh service assumes ...
 PRIOR_WEIGHT = 4.0  # ... as if it had seen this many blocks sent ahead
 EXPLORE_EVERY = 16
 
 
 class HopStats:
-    def __init__(self) -> None:
-        self._transport: deque[float] = deque(maxlen=WINDOW)
+    def __init__(self, always: bool = False) -> None:
+        """``always``: every chance goes ahead (``--pipeline-ahead always``: draft work off the
+        target's hardware costs the target nothing); the measurements are kept all the same."""
+        self._always = always
+        self._transport: deque[float] = deque(maxlen=TRANSPORT_WINDOW)
         self._propose: deque[float] = deque(maxlen=WINDOW)
         self._ahead_propose: deque[float] = deque(maxlen=WINDOW)
-        self._held = 0
-        self._judged = 0
+        self._held: dict[int, int] = {}  # by rank
+        self._judged: dict[int, int] = {}
         self._chances = 0
 
     def observe_transport(self, seconds: float) -> None:
@@ -45,13 +55,17 @@ class HopStats:
     def observe_propose(self, seconds: float, ahead: bool) -> None:
         (self._ahead_propose if ahead else self._propose).append(max(0.0, seconds))
 
-    def observe_ahead(self, held: bool) -> None:
-        self._held += held
-        self._judged += 1
+    def observe_ahead(self, held: bool, rank: int = 0) -> None:
+        self._held[rank] = self._held.get(rank, 0) + held
+        self._judged[rank] = self._judged.get(rank, 0) + 1
 
     @property
     def transport_s(self) -> float:
         return statistics.median(self._transport) if self._transport else 0.0
+
+    @property
+    def measured_transport_s(self) -> float | None:
+        return self.transport_s if self._transport else None
 
     @property
     def propose_s(self) -> float:
@@ -59,12 +73,22 @@ class HopStats:
         return statistics.median(times) if times else 0.0
 
     @property
-    def hold_rate(self) -> float:
-        return (self._held + PRIOR_HOLD * PRIOR_WEIGHT) / (self._judged + PRIOR_WEIGHT)
+    def plain_propose_s(self) -> float:
+        """The median proposal on a verdict (what a block that held spared)."""
+        return statistics.median(self._propose) if self._propose else 0.0
 
-    def send_ahead(self) -> bool:
-        """Whether the next block goes out before the verdict it depends on (see the module doc)."""
-        self._chances += 1
-        if self._chances % EXPLORE_EVERY == 0:
+    def hold_rate(self, rank: int = 0) -> float:
+        prior = PRIOR_HOLD / (rank + 1)
+        return (self._held.get(rank, 0) + prior * PRIOR_WEIGHT) / (self._judged.get(rank, 0) + PRIOR_WEIGHT)
+
+    def send_ahead(self, rank: int = 0) -> bool:
+        """Whether a block of this rank goes out before the verdict it depends on (see the module
+        doc); every ``EXPLORE_EVERY``-th chance of a rank goes regardless, where a block sure to
+        hold would pay."""
+        if self._always:
             return True
-        return self.hold_rate * self.transport_s > self.propose_s
+        saving = self.transport_s + self.plain_propose_s  # what a block that holds spares
+        if saving <= self.propose_s:
+            return False  # not even a block sure to hold would pay: nothing to explore
+        self._chances += rank == 0
+        return self._chances % EXPLORE_EVERY == 0 or self.hold_rate(rank) * saving > self.propose_s

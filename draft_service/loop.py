@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import DivergedError, ProtocolError
+from draft_service.hop import HopStats
 from draft_service.proposers.base import ProposerSession
 from draft_service.types import ProposedBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
 
@@ -85,12 +86,14 @@ class SpeculationLoop:
         lengths: BlockLengthPolicy | None = None,
         acceptance: AcceptanceTally | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        hop: HopStats | None = None,
     ) -> None:
         """``pending_commit``: a verdict the proposer session has not applied yet (a session resumed
         from an earlier call, ``pending_commit`` of that call's loop). ``lengths``: the service's
         policy that cuts proposals to the length that pays best, and learns from each verdict
         (None: every proposal is sent whole); ``acceptance``: the session's own record from an
-        earlier call (a fresh one when None)."""
+        earlier call (a fresh one when None); ``hop``: the measured hop to the session's target
+        (``draft_service.hop``), which the loop feeds and prices rounds with."""
         self._spec = spec
         self._proposer = proposer
         self._verifier = verifier
@@ -99,6 +102,7 @@ class SpeculationLoop:
         self._fingerprint = tokenizer_fingerprint
         self._want_hidden_states = want_hidden_states
         self._clock = clock
+        self._hop = hop
         self._lengths = lengths
         self.acceptance = acceptance if acceptance is not None else AcceptanceTally()  # weighed in by ``lengths``
         # Sampled drafts are accepted by chance, greedy ones by agreement: tallied apart.
@@ -128,7 +132,7 @@ class SpeculationLoop:
             sources = ()
             if learns and proposal.sources:
                 sources = tuple(self._source_prefix + source for source in proposal.sources)
-                proposal = proposal.cut(self._lengths.length(sources, self.acceptance))
+                proposal = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s()))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             asked = self._clock()
             verdict = await self._verify(base_len, proposal)
@@ -137,6 +141,8 @@ class SpeculationLoop:
                 self._on_stale(verdict)
                 continue
             self._stale_in_a_row = 0
+            if self._hop is not None and verdict.verify_seconds > 0:
+                self._hop.observe_transport(answered - asked - verdict.verify_seconds)
             if learns and verdict.status is VerdictStatus.OK:
                 sent = sources[: len(proposal.token_ids)]
                 self.acceptance.observe(sent, verdict.num_accepted)
@@ -144,8 +150,9 @@ class SpeculationLoop:
                     sent,
                     verdict.num_accepted,
                     rows=len(proposal.token_ids) + 1,
-                    seconds=self._clock() - proposed,
+                    seconds=answered - asked,
                     propose_seconds=proposed - started,
+                    verify_seconds=verdict.verify_seconds,
                 )
             if verdict.status is VerdictStatus.FINISHED:
                 yield RoundResult(
@@ -177,6 +184,10 @@ class SpeculationLoop:
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return
+
+    def _transport_s(self) -> float | None:
+        """The measured round trip to the target beyond its pass (None before any)."""
+        return self._hop.measured_transport_s if self._hop is not None else None
 
     def _block_size(self, length: int | None = None) -> int:
         """K, cut so the verdict cannot commit more than any known budget allows, for a block

@@ -87,6 +87,8 @@ async def start_draft(
     cut_blocks: bool = True,
     security: HopSecurity = PLAINTEXT,
     pipeline_depth: int = 1,
+    pipeline_hedges: int = 1,
+    pipeline_ahead: str = "measured",
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
@@ -122,6 +124,8 @@ async def start_draft(
             default_k=num_speculative_tokens,
             block_lengths=BlockLengthPolicy(prior=proposer.acceptance_prior) if cut_blocks else None,
             pipeline_depth=pipeline_depth,
+            pipeline_hedges=pipeline_hedges,
+            pipeline_ahead=pipeline_ahead,
         )
         servicer.attach(engine)
         await health.serving()
@@ -203,6 +207,8 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
             cut_blocks=settings.cut_blocks,
             security=security,
             pipeline_depth=settings.pipeline_depth,
+            pipeline_hedges=settings.pipeline_hedges,
+            pipeline_ahead=settings.pipeline_ahead,
         )
     )
     stopping = asyncio.create_task(stop.wait())

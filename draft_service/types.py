@@ -62,14 +62,26 @@ class Proposal:
         """The drafts a block is most likely to have accepted whole: a chain's tokens, or the root
         path of a tree that takes each node's first child. Trees are grown best-first (a node's
         first child is its most probable one) and siblings follow their parent in the block."""
-        if not self.parents:
-            return self.token_ids
-        path, node = [], -1
-        for index, parent in enumerate(self.parents):
+        return self.outcomes()[0][0]
+
+    def outcomes(self) -> list[tuple[tuple[int, ...], frozenset[int] | None]]:
+        """Where a verdict on this block is likely to leave the sequence, most likely first, for
+        blocks sent ahead of it: (the drafts accepted, the tokens the target's own next token cannot
+        be). First the whole likely path followed by a bonus token (None: any token), then a
+        rejection at each node of that path from the root: the target's token is then none of the
+        node's children, which it would have accepted."""
+        path, nodes, node = [], [-1], -1
+        parents = self.parents or tuple(range(-1, len(self.token_ids) - 1))
+        for index, parent in enumerate(parents):
             if parent == node:
                 path.append(self.token_ids[index])
                 node = index
-        return tuple(path)
+                nodes.append(index)
+        outcomes: list[tuple[tuple[int, ...], frozenset[int] | None]] = [(tuple(path), None)]
+        for depth, at in enumerate(nodes[:-1]):
+            children = frozenset(self.token_ids[i] for i, parent in enumerate(parents) if parent == at)
+            outcomes.append((tuple(path[:depth]), children))
+        return outcomes
 
     def below_first(self) -> Proposal:
         """The drafts after the first: a chain's tail, or the subtree under a tree's first node

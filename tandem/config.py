@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import AfterValidator, AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from tandem.models import DEFAULT_TARGET
 from tandem.rpc import addresses
@@ -210,6 +210,17 @@ class DraftSettings(_Base):
         description="blocks of a session in flight to the target at once: the next block goes out before the "
         "verdict of the one before it, on the assumption that it is accepted whole, where the measured round trip "
         "to the target says that pays (1 = one block per round trip; docs/pipelining.md)",
+    )
+    pipeline_hedges: int = Field(
+        3, ge=1, le=8,
+        description="with --pipeline-depth above 1: blocks sent ahead on one block, each assuming another of its "
+        "likely outcomes (accepted whole, or rejected at one of its drafts with the draft's next guess)",
+    )
+    pipeline_ahead: Literal["measured", "always"] = Field(
+        "measured",
+        description="with --pipeline-depth above 1: send a block ahead only where the measured round trip to the "
+        "target makes it pay for its drafting (measured), or whenever depth and hedges allow (always: draft and "
+        "target on separate hardware, where drafting ahead does not slow the target)",
     )
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup matches")
     ngram_min: int = Field(1, ge=1, description="shortest n-gram prompt lookup matches")

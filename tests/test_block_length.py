@@ -178,6 +178,24 @@ def test_propose_time_counts_as_overhead_of_every_length():
     assert policy.length(["x"]) == 1
 
 
+def test_a_round_is_priced_as_the_targets_pass_plus_the_hop_to_it():
+    """Verdicts that report the target's pass: the pass by width is learned apart from the round
+    trip, and the round trip to the session's target decides how long a block pays: far targets
+    get longer blocks (issue 28 §2)."""
+    policy = BlockLengthPolicy(explore_every=0)
+    for _ in range(5):  # passes of 10 ms (1 row) and 20 ms (2 rows), each round 30 ms more on the wire
+        policy.observe([], 0, rows=1, seconds=0.040, propose_seconds=0.0, verify_seconds=0.010)
+        policy.observe([], 0, rows=2, seconds=0.050, propose_seconds=0.0, verify_seconds=0.020)
+    assert policy.costs.medians() == {1: 0.010, 2: 0.020}
+    policy.acceptance.observe(["x"], num_accepted=1)  # estimate 2/3: worth 1.67 tokens for a 2-row pass
+    # A target on loopback: 1 token / 10 ms beats 1.67 / 20 ms: no draft.
+    assert policy.length(["x"], transport_s=0.0) == 0
+    # A target 30 ms away: 1.67 / 50 ms beats 1 / 40 ms: the draft goes.
+    assert policy.length(["x"], transport_s=0.030) == 1
+    # Without a target's own figure, the service's median round trip (30 ms here) prices it.
+    assert policy.length(["x"]) == 1
+
+
 def test_a_cut_proposal_keeps_its_q_and_sources_aligned():
     proposal = Proposal((5, 6, 7), tuple(SparseDist((t,), (1.0,)) for t in (5, 6, 7)), ("a", "b", "c"))
     cut = proposal.cut(2)

@@ -77,7 +77,7 @@ async def test_pipelined_speculation_over_grpc_equals_generate(target, monkeypat
     whatever the hop costs: over loopback the measured rule would rarely)."""
     from draft_service.hop import HopStats
 
-    monkeypatch.setattr(HopStats, "send_ahead", lambda self: True)
+    monkeypatch.setattr(HopStats, "send_ahead", lambda self, rank=0: True)
     import grpc
     from test_draft_e2e import PROMPT as E2E_PROMPT
     from test_draft_e2e import prefill
@@ -167,7 +167,7 @@ async def test_the_heads_rollout_reuses_what_it_predicted_and_is_bounded(
     session.commit(len(PROMPT) + 2, (), None)
     torch.testing.assert_close(session.feature, hidden[-1])
     # Tokens the head did not draft cost a step each, and past MAX_ROLLOUT none is taken.
-    from draft_service.proposers.eagle import MAX_ROLLOUT
+    from draft_service.proposers.rollout import MAX_ROLLOUT
 
     session.commit(len(PROMPT) + 2, (5, 6, 7), None)
     assert session.has_feature and len(steps) == 3
@@ -251,22 +251,85 @@ def test_blocks_go_ahead_where_the_hop_costs_more_than_drafting_them():
     from draft_service.hop import EXPLORE_EVERY, PRIOR_HOLD, HopStats
 
     hop = HopStats()
-    assert hop.hold_rate == PRIOR_HOLD and not hop.send_ahead()  # nothing measured: no transport to hide
+    assert hop.hold_rate() == PRIOR_HOLD and not hop.send_ahead()  # nothing measured: no transport to hide
     for _ in range(8):
         hop.observe_propose(0.004, ahead=False)
         hop.observe_transport(0.0003)  # loopback
-    assert not any(hop.send_ahead() for _ in range(EXPLORE_EVERY - 2))
-    assert hop.send_ahead()  # ... but every EXPLORE_EVERY-th chance goes, to keep the hold rate measured
+    assert not any(hop.send_ahead() for _ in range(EXPLORE_EVERY - 1))
+    assert hop.send_ahead() and hop.send_ahead(1)  # every EXPLORE_EVERY-th chance goes, hedges too
     for _ in range(64):
         hop.observe_transport(0.040)  # a 20 ms link each way: 0.25 * 40 ms > 4 ms
-    assert hop.send_ahead()
+    assert hop.send_ahead() and hop.send_ahead(1) and not hop.send_ahead(9)  # a hedge of rank 9 is priced at 0.025
     for _ in range(64):
         hop.observe_ahead(held=False)  # ... unless blocks sent ahead never hold
-    assert hop.hold_rate < 0.02 and not hop.send_ahead()
+        hop.observe_ahead(held=True, rank=1)  # while the second most likely outcome does
+    assert hop.hold_rate() < 0.02 and not hop.send_ahead() and hop.send_ahead(1)
     for _ in range(64):
         hop.observe_ahead(held=True)
         hop.observe_propose(0.030, ahead=True)  # and a proposal ahead that costs more than half the trip
-    assert hop.hold_rate > 0.45 and hop.propose_s == 0.030 and not hop.send_ahead()
+    assert hop.hold_rate() > 0.45 and hop.propose_s == 0.030 and not hop.send_ahead()
+    # Where not even a block sure to hold would pay (a proposal ahead dearer than the hop and the
+    # proposal it spares), nothing goes, not even to explore.
+    near = HopStats()
+    near.observe_transport(0.0005)
+    near.observe_propose(0.003, ahead=False)
+    near.observe_propose(0.006, ahead=True)
+    assert not any(near.send_ahead(rank) for rank in (0, 1) for _ in range(2 * EXPLORE_EVERY))
+    # --pipeline-ahead always: drafting ahead is free where the draft has its own hardware.
+    assert all(HopStats(always=True).send_ahead(rank) for rank in range(3))
+
+
+def test_a_blocks_outcomes_are_its_likely_path_then_a_rejection_at_each_node_of_it():
+    from draft_service.types import Proposal
+
+    chain = Proposal((5, 6, 7))
+    assert chain.outcomes() == [((5, 6, 7), None), ((), {5}), ((5,), {6}), ((5, 6), {7})]
+    # Root children 10 and 11; 10 has children 12, 13; 12 has 14.
+    tree = Proposal((10, 11, 12, 13, 14), parents=(-1, -1, 0, 0, 2))
+    assert tree.likely_path() == (10, 12, 14)
+    assert tree.outcomes() == [((10, 12, 14), None), ((), {10, 11}), ((10,), {12, 13}), ((10, 12), {14})]
+    assert tree.below_first() == Proposal((12, 13, 14), parents=(-1, -1, 0))
+    assert Proposal().outcomes() == [((), None)]
+
+
+@pytest.mark.parametrize("drafter", ["near-weights", "ngram+eagle trees"])
+async def test_hedged_blocks_are_lossless(target, near_target, eagle_head, drafter):
+    """Three blocks ahead on three outcomes of the block before: at most one holds, the output is
+    the target's."""
+    from test_draft_eagle import PROMPT as EAGLE_PROMPT
+    from test_draft_eagle import EngineVerifier, load_eagle
+
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+    from target_service.engine import TargetEngine
+    from target_service.session import SessionConfig
+
+    n = 40
+    if drafter == "near-weights":
+        proposer = HfProposer(near_target)
+    else:
+        proposer = NgramFirstProposer(NgramProposer(), load_eagle(eagle_head, target), tree_nodes=5)
+    engine = TargetEngine(target)
+    first = engine.prefill("s", EAGLE_PROMPT, SessionConfig(max_new_tokens=n, return_hidden_states=True))
+    committed = (*EAGLE_PROMPT, first.token_id)
+    spec = SessionSpec("s", committed, len(EAGLE_PROMPT), SamplingParams(), 3, session_max_new_tokens=n)
+    verifier = EngineVerifier(engine)
+    loop = PipelinedLoop(spec, proposer.new_session(committed, SamplingParams()), verifier, run_inline, depth=2,
+                         hedges=3, want_hidden_states=proposer.wants_hidden_states)
+    results = await collect(loop)
+    assert [first.token_id, *streamed(results)] == generate_greedy(target.model, EAGLE_PROMPT, n,
+                                                                   target.tokenizer.eos_token_id)
+    # Blocks sent on the same assumption base: hedges, their assumptions distinct.
+    by_parent: dict[tuple, list] = {}
+    for block in verifier.blocks:
+        if block.assumed_token_ids:
+            by_parent.setdefault(block.base_len, []).append(block.assumed_token_ids)
+    assert any(len(set(a)) == len(a) > 1 for a in by_parent.values())
+    assert loop.stale_blocks > 0
+    if drafter == "near-weights":  # a random head guesses no target token; a nearby model does
+        assert loop.held_blocks > 0
+    # Every block ahead judged, but those still in flight when the session finished (unread).
+    sent_ahead = sum(1 for b in verifier.blocks if b.assumed_token_ids)
+    assert sent_ahead - 3 <= loop.held_blocks + loop.stale_blocks <= sent_ahead
 
 
 async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkeypatch):
@@ -281,10 +344,11 @@ async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkey
     from draft_service.main import start_draft
     from tandem.v1 import draft_pb2_grpc
     from target_service.engine import TargetEngine
+    from target_service.errors import SessionNotFound
     from target_service.main import start_target
     from target_service.session import SessionConfig
 
-    monkeypatch.setattr(HopStats, "send_ahead", lambda self: True)
+    monkeypatch.setattr(HopStats, "send_ahead", lambda self, rank=0: True)
     n = 40
     expected = generate_greedy(target.model, E2E_PROMPT, n, target.tokenizer.eos_token_id)
     engine = TargetEngine(target)
@@ -301,9 +365,12 @@ async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkey
                 if len(streamed_ids) >= 6:
                     await drafting.stop(0)  # killed mid-stream, blocks in flight
                     break
-        # The target's session: consistent, and holding at least what was streamed.
-        session = engine.store.get("doomed")
-        committed = list(session.tokens[len(E2E_PROMPT):]) if session is not None else streamed_ids
+        # The target's session (unless the dying draft released it): consistent, and holding at
+        # least what was streamed.
+        try:
+            committed = list(engine.store.get("doomed").tokens[len(E2E_PROMPT):])
+        except SessionNotFound:
+            committed = streamed_ids
         assert committed[: len(streamed_ids)] == streamed_ids and committed == expected[: len(committed)]
         # The gateway's resync: a fresh target session on what the client has, decoded by the target.
         engine.prefill("resync", [*E2E_PROMPT, *streamed_ids[:-1]], SessionConfig(max_new_tokens=n - len(streamed_ids) + 1))
@@ -313,3 +380,102 @@ async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkey
     finally:
         await drafting.stop(0)
         await served.stop(0)
+
+
+async def test_the_loop_measures_the_hop_to_its_target_and_prices_blocks_with_it(target):
+    """Every verdict that reports the target's pass gives the hop a round trip (what the block
+    went through beyond the pass), which the block-length policy then prices rounds with."""
+    from test_draft_eagle import PROMPT as EAGLE_PROMPT
+    from test_draft_eagle import EngineVerifier
+
+    from draft_service.block_length import BlockLengthPolicy
+    from draft_service.hop import HopStats
+    from draft_service.loop import SpeculationLoop
+    from target_service.engine import TargetEngine
+    from target_service.session import SessionConfig
+
+    engine = TargetEngine(target)
+    first = engine.prefill("s", EAGLE_PROMPT, SessionConfig(max_new_tokens=24))
+    committed = (*EAGLE_PROMPT, first.token_id)
+    spec = SessionSpec("s", committed, len(EAGLE_PROMPT), SamplingParams(), 3, session_max_new_tokens=24)
+    hop, lengths = HopStats(), BlockLengthPolicy()
+    priced = []
+    length = lengths.length
+    lengths.length = lambda sources, session=None, transport_s=None: priced.append(transport_s) or length(
+        sources, session, transport_s)
+    loop = SpeculationLoop(spec, NgramProposer().new_session(committed, SamplingParams()), EngineVerifier(engine),
+                           run_inline, lengths=lengths, hop=hop)
+    await collect(loop)
+    assert hop.measured_transport_s is not None and 0 <= hop.measured_transport_s < 1.0
+    assert lengths.costs.medians() or len(lengths.costs._samples)  # passes learned by width
+    assert any(t is not None for t in priced)  # blocks after the first were priced with the hop
+
+
+async def test_sessions_pipelined_across_a_slow_hop_are_lossless_and_interleave_on_the_target(target):
+    """Three sessions at once through a draft whose hop to the target is 5 ms each way (the
+    bench's delaying proxy): the measured hop makes the draft send blocks ahead; the target takes
+    the sessions' blocks interleaved on their streams; each output is the target's."""
+    import asyncio
+
+    import grpc
+    from test_draft_e2e import PROMPT as E2E_PROMPT
+    from test_draft_e2e import prefill
+
+    from draft_service.main import start_draft
+    from tandem.tools.bench.delay_proxy import DelayProxy
+    from tandem.v1 import draft_pb2_grpc
+    from target_service.engine import TargetEngine
+    from target_service.main import start_target
+
+    n = 32
+    served = await start_target(TargetEngine(target))
+    proxy = await DelayProxy(f"127.0.0.1:{served.port}", delay_s=0.005).start()
+    # Prompt lookup: its proposals cost next to nothing beside a 10 ms round trip, so they pay.
+    drafting = await start_draft(lambda info: NgramProposer(), proxy.address, num_speculative_tokens=3,
+                                 target_wait_s=10, pipeline_depth=2, pipeline_hedges=3)
+    try:
+        async def session(name: str) -> list[int]:
+            request = await prefill(f"127.0.0.1:{served.port}", target, name, n)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{drafting.port}") as channel:
+                replies = [r async for r in draft_pb2_grpc.DraftServiceStub(channel).Speculate(request)]
+            return [request.token_ids[-1], *(t for r in replies for t in r.token_ids)]
+
+        outputs = await asyncio.gather(*(session(name) for name in ("a", "b", "c")))
+        expected = generate_greedy(target.model, E2E_PROMPT, n, target.tokenizer.eos_token_id)
+        assert outputs == [expected] * 3
+        metric = drafting.engine._metrics.pipelined_blocks
+        held, stale = (metric.labels(outcome=o)._value.get() for o in ("verified", "stale"))
+        hop = next(iter(drafting.engine._hops.values()))
+        # Blocks went ahead over the slow hop, more than exploring alone sends (1 chance in 16).
+        assert held + stale >= 3, (held, stale, hop.transport_s, hop.propose_s)
+        assert hop.transport_s >= 0.010  # the round trip beyond the target's pass: both ways of the hop
+    finally:
+        await drafting.stop(0)
+        await proxy.stop()
+        await served.stop(0)
+
+
+def test_proposers_name_their_next_tokens_most_likely_first(target, near_target, eagle_head, monkeypatch):
+    """What a hedge guesses the target's token with: the proposer's top tokens after the committed
+    sequence (the first being what it would draft), at no state change a proposal would not make."""
+    from test_draft_eagle import load_eagle
+
+    hf = HfProposer(near_target).new_session(PROMPT, SamplingParams())
+    top = hf.next_tokens(3)
+    assert len(top) == 3 == len(set(top)) and hf.propose(2).token_ids[0] == top[0]
+    hf.commit(len(PROMPT), (top[1],))  # a hedge takes the second as committed and drafts on
+    assert hf.next_tokens(1) == HfProposer(near_target).new_session((*PROMPT, top[1]), SamplingParams()).next_tokens(1)
+
+    eagle = load_eagle(eagle_head, target)
+    session = eagle.new_session(PROMPT, SamplingParams())
+    assert session.next_tokens(2) == ()  # no feature yet
+    session.commit(len(PROMPT), (11, 12), torch.randn(2, eagle.drafter.config.hidden_size))
+    guesses = session.next_tokens(2)
+    assert len(guesses) == 2 and session.propose(1).token_ids == guesses[:1]
+    steps = []
+    step = eagle.drafter.step
+    monkeypatch.setattr(eagle.drafter, "step", lambda *a: steps.append(1) or step(*a))
+    session.next_tokens(2)
+    session.commit(len(PROMPT) + 2, (guesses[1],), None)  # taking a named token costs no step
+    assert session.has_feature and steps == []
+    assert NgramProposer().new_session((1, 2, 3, 1, 2), SamplingParams()).next_tokens(3) == (3,)

@@ -40,6 +40,12 @@ class ProposerSession(ABC):
         Proposers that do not want them ignore it.
         """
 
+    def next_tokens(self, n: int) -> tuple[int, ...]:
+        """Up to ``n`` tokens the proposer expects after the committed sequence, most likely first
+        (guesses for blocks sent ahead of a verdict; greedy and sampled alike). This default offers
+        the first token of a one-token proposal."""
+        return self.propose(1).token_ids[:1] if n > 0 else ()
+
     @abstractmethod
     def close(self) -> None:
         """Frees the session's state early (KV cache tensors) instead of waiting for the GC."""

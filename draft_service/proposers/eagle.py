@@ -33,6 +33,7 @@ import torch
 from draft_service.block_length import AcceptancePrior, confidence_source, load_prior
 from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
+from draft_service.proposers.rollout import FeatureRollout
 from draft_service.proposers.sampling import TopKSampler
 from draft_service.types import Proposal, SamplingParams, SparseDist, TargetInfo
 from tandem.models.eagle import (
@@ -66,8 +67,6 @@ def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetIn
         )
 
 
-MAX_ROLLOUT = 8  # head steps a commit without hidden states may take to keep a feature
-MAX_PREDICTED = 256  # features predicted while drafting, kept for a rollout (oldest dropped first)
 
 
 @dataclass(frozen=True)
@@ -103,12 +102,9 @@ class EagleSession(ProposerSession):
         # The head's first step from the current feature, kept until the next commit: ``first_draft``
         # computes it to judge a lookup block, and a proposal right after starts from it.
         self._first_step: tuple[torch.Tensor, torch.Tensor] | None = None  # ([1, hidden], [1, reduced])
-        # Features the head predicted while drafting after the committed sequence: drafts -> the
-        # feature [1, hidden] that produced the last of them (``remember``), for a rollout.
-        self._predicted: dict[tuple[int, ...], torch.Tensor] = {}
-        # The last feature a verdict brought and the length it belongs to: restored when tokens
-        # taken as committed without a verdict (a rollout) are rolled back.
-        self._anchor: tuple[int, torch.Tensor] | None = None
+        # The head's own features for tokens taken as committed before a verdict.
+        self._rollout = FeatureRollout(lambda feature, token_ids: proposer.drafter.step(feature, token_ids),
+                                       proposer.device)
 
     @property
     def has_feature(self) -> bool:
@@ -143,6 +139,16 @@ class EagleSession(ProposerSession):
         with torch.inference_mode():
             predicted, logits = self._proposer.drafter.step(features, token_ids)  # [b, hidden], [b, reduced]
         return [self._top_k(predicted[i : i + 1], logits[i : i + 1], k) for i in range(len(token_ids))]
+
+    def next_tokens(self, n: int) -> tuple[int, ...]:
+        """The head's top-``n`` after the last committed token (its first step, kept); each is
+        remembered with the feature that produced it, so taking one as committed costs no step."""
+        found = self.guesses(n) if n > 0 else None
+        if found is None:
+            return ()
+        for token in found.token_ids:
+            self.remember((token,), found.feature)
+        return found.token_ids
 
     def _top_k(self, feature: torch.Tensor, logits: torch.Tensor, k: int) -> HeadGuesses:
         """feature [1, hidden], logits [1, reduced] -> the k most probable tokens as target ids."""
@@ -186,16 +192,13 @@ class EagleSession(ProposerSession):
         """Records the feature [1, hidden] the head predicted for the position before ``drafts[-1]``
         (the one that produced it), ``drafts`` following the committed sequence: should they be
         taken as committed without a verdict, the head drafts on from there at no extra step."""
-        self._predicted[(*self._tokens, *drafts)] = feature
-        while len(self._predicted) > MAX_PREDICTED:
-            del self._predicted[next(iter(self._predicted))]
+        self._rollout.remember((*self._tokens, *drafts), feature)
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         """A verdict's hidden states bring the target's feature. Without them (tokens taken as
         committed before a verdict: a pipelined block's assumption, or a roll back to the last
         verdict), the head rolls its own features from the last verdict's, as it does inside a
-        block: from what it predicted while drafting those tokens, then a step a token (at most
-        ``MAX_ROLLOUT``)."""
+        block (``draft_service.proposers.rollout``)."""
         if not 0 <= base_len <= len(self._tokens):
             raise ValueError(f"base_len {base_len} outside the committed sequence of {len(self._tokens)}")
         if base_len + len(token_ids) == 0:
@@ -205,8 +208,7 @@ class EagleSession(ProposerSession):
         self._first_step = None
         del self._tokens[base_len:]
         self._tokens.extend(token_ids)
-        if self._anchor is not None and base_len < self._anchor[0]:
-            self._anchor = None  # the tokens it belongs to may have changed
+        self._rollout.changed_from(base_len)
         # A verdict's states must be [len(token_ids), hidden]: a target that sends another shape
         # (with as many bytes) gets no step on them, the next block is empty.
         expected = (len(token_ids), self._proposer.drafter.config.hidden_size)
@@ -214,45 +216,22 @@ class EagleSession(ProposerSession):
             # [hidden]: the state whose logits produced the last committed token.
             self._feature = hidden_states[-1].detach().float().clone()
             self._feature_len = len(self._tokens)
-            self._anchor = (self._feature_len, self._feature)
+            self._rollout.anchor(self._feature_len, self._feature)
             return
         if hidden_states is not None:
             log.warning(
                 "verdict of %d token(s) came with hidden states of shape %s, not %s; the next block is empty",
                 len(token_ids), tuple(hidden_states.shape), expected,
             )
-        self._feature = self._roll() if hidden_states is None else None
+        self._feature = self._rollout.roll(self._tokens) if hidden_states is None else None
         self._feature_len = len(self._tokens) if self._feature is not None else -1
 
     def close(self) -> None:
         self._closed = True
         self._feature = None
         self._first_step = None
-        self._predicted = {}
-        self._anchor = None
+        self._rollout.clear()
         self._tokens = []
-
-    def _roll(self) -> torch.Tensor | None:
-        """The head's own feature [hidden] for the committed sequence: the last verdict's, rolled
-        over the tokens committed after it (None without a verdict's feature, or past
-        ``MAX_ROLLOUT`` steps)."""
-        if self._anchor is None:
-            return None
-        end = len(self._tokens)
-        start, state = self._anchor[0], self._anchor[1][None]  # [1, hidden]: produced token start - 1
-        for length in range(end, start, -1):  # the longest run the head predicted while drafting
-            predicted = self._predicted.get(tuple(self._tokens[:length]))
-            if predicted is not None:
-                start, state = length, predicted
-                break
-        if end - start > MAX_ROLLOUT:
-            return None
-        device = self._proposer.device
-        with torch.inference_mode():
-            for position in range(start - 1, end - 1):  # each step predicts the feature one position on
-                token_ids = torch.tensor([self._tokens[position]], dtype=torch.long, device=device)  # [1]
-                state, _ = self._proposer.drafter.step(state.to(device), token_ids)  # [1, hidden]
-        return state[0].detach().float()
 
     def _step_from_feature(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The head's step from the current feature and the last committed token (kept until the

@@ -121,6 +121,18 @@ class HfSession(ProposerSession):
                     logits = self._feed([token])
         return Proposal(tuple(tokens), tuple(dists), tuple(sources))
 
+    def next_tokens(self, n: int) -> tuple[int, ...]:
+        """The draft's top-``n`` after the committed sequence (one forward step, kept in the cache)."""
+        if n <= 0 or self._proposer.room_after(len(self._committed)) <= 0:
+            return ()
+        if len(self._cached) >= len(self._committed):
+            self.commit(len(self._committed), ())  # the last token is fed again for its logits
+        with torch.inference_mode():
+            logits = self._feed(self._committed[len(self._cached) :])  # [vocab_limit]
+        top = torch.topk(logits, min(n, logits.shape[-1])).indices.tolist()
+        vocab = self._proposer.vocab_map
+        return tuple(vocab.to_target(t) if vocab is not None else t for t in top)
+
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         if not 0 <= base_len <= len(self._committed):
             raise ValueError(f"base_len {base_len} outside the committed sequence of {len(self._committed)}")

@@ -244,6 +244,10 @@ class NgramFirstSession(ProposerSession):
         guess = self._eagle.first_draft()
         return guess is not None and guess[0] != lookup_first and guess[1] >= self._overrule_confidence
 
+    def next_tokens(self, n: int) -> tuple[int, ...]:
+        """The head's top-``n`` where it has a feature, else lookup's next token."""
+        return self._eagle.next_tokens(n) or self._ngram.next_tokens(n)
+
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         self._ngram.commit(base_len, token_ids)
         self._eagle.commit(base_len, token_ids, hidden_states)
