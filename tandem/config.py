@@ -206,7 +206,7 @@ class DraftSettings(_Base):
         "cores to the target",
     )
     pipeline_depth: int = Field(
-        1, ge=1, le=8,
+        2, ge=1, le=8,
         description="blocks of a session in flight to the target at once: the next block goes out before the "
         "verdict of the one before it, on the assumption that it is accepted whole, where the measured round trip "
         "to the target says that pays (1 = one block per round trip; docs/pipelining.md)",
