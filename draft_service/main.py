@@ -135,7 +135,7 @@ async def start_draft(
         worker.shutdown(wait=False)
         raise
     log.info(
-        "draft service (%s%s) serving on %s:%d, %s, target %r; target pool: %s (default %s); blocks: %s",
+        "draft service (%s%s) serving on %s:%d, %s, target %r; target pool: %s (default %s); blocks: %s; %s",
         proposer.kind,
         f" {proposer.model_name}" if proposer.model_name else "",
         host,
@@ -145,6 +145,9 @@ async def start_draft(
         ", ".join(targets.allowed),
         targets.default,
         proposer.block_shape,
+        (f"pipeline: up to {pipeline_depth} blocks in a chain, {pipeline_hedges} hedges, sent ahead "
+         + ("always" if pipeline_ahead == "always" else "where the measured round trip to the target pays")
+         if pipeline_depth > 1 else "pipeline: off (one block per round trip)"),
     )
     return RunningDraft(bound_port, server, engine, targets, worker, health)
 
