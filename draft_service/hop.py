@@ -52,6 +52,12 @@ class HopStats:
     def observe_transport(self, seconds: float) -> None:
         self._transport.append(max(0.0, seconds))
 
+    def observe_exchange(self, seconds: float, verify_seconds: float) -> None:
+        """A block's ``seconds`` from sending to verdict, of which the target's pass took
+        ``verify_seconds`` (a target that reports no pass time tells nothing about the hop)."""
+        if verify_seconds > 0:
+            self.observe_transport(seconds - verify_seconds)
+
     def observe_propose(self, seconds: float, ahead: bool) -> None:
         (self._ahead_propose if ahead else self._propose).append(max(0.0, seconds))
 

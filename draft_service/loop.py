@@ -141,8 +141,8 @@ class SpeculationLoop:
                 self._on_stale(verdict)
                 continue
             self._stale_in_a_row = 0
-            if self._hop is not None and verdict.verify_seconds > 0:
-                self._hop.observe_transport(answered - asked - verdict.verify_seconds)
+            if self._hop is not None:
+                self._hop.observe_exchange(answered - asked, verdict.verify_seconds)
             if learns and verdict.status is VerdictStatus.OK:
                 sent = sources[: len(proposal.token_ids)]
                 self.acceptance.observe(sent, verdict.num_accepted)

@@ -107,7 +107,7 @@ class PipelinedLoop(SpeculationLoop):
             answered = self._clock()
             if self._hop is not None:
                 if flight.alone and verdict.status is not VerdictStatus.STALE:
-                    self._hop.observe_transport(answered - flight.sent - verdict.verify_seconds)
+                    self._hop.observe_exchange(answered - flight.sent, verdict.verify_seconds)
                 if flight.assumes:
                     self._hop.observe_ahead(verdict.status is not VerdictStatus.STALE, flight.rank)
             if verdict.block_id != flight.block.block_id:

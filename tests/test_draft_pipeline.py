@@ -173,6 +173,15 @@ async def test_the_heads_rollout_reuses_what_it_predicted_and_is_bounded(
     assert session.has_feature and len(steps) == 3
     session.commit(len(PROMPT) + 2, tuple(range(5, 6 + MAX_ROLLOUT)), None)
     assert not session.has_feature and len(steps) == 3
+    # A verdict that accepts part of a block moves the anchor; what the head predicted past it is
+    # kept, so the rest of the block taken as committed still costs no step.
+    session.commit(len(PROMPT) + 2, (), None)
+    block = session.propose(3)
+    assert len(block.token_ids) >= 2
+    drafted = len(steps)
+    session.commit(len(PROMPT) + 2, block.token_ids[:1], torch.randn(1, eagle.drafter.config.hidden_size))
+    session.commit(len(PROMPT) + 3, block.token_ids[1:], None)
+    assert session.has_feature and len(steps) == drafted
 
 
 # --------------------------------------------------------------------------- sampling, statistically

@@ -67,8 +67,6 @@ def check_head_fits_target(config: EagleConfig, head_name: str, target: TargetIn
         )
 
 
-
-
 @dataclass(frozen=True)
 class HeadGuesses:
     """The head's most likely next tokens after one position, for drafting a token tree.
@@ -192,7 +190,7 @@ class EagleSession(ProposerSession):
         """Records the feature [1, hidden] the head predicted for the position before ``drafts[-1]``
         (the one that produced it), ``drafts`` following the committed sequence: should they be
         taken as committed without a verdict, the head drafts on from there at no extra step."""
-        self._rollout.remember((*self._tokens, *drafts), feature)
+        self._rollout.remember(self._tokens, drafts, feature)
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: torch.Tensor | None = None) -> None:
         """A verdict's hidden states bring the target's feature. Without them (tokens taken as
@@ -216,7 +214,7 @@ class EagleSession(ProposerSession):
             # [hidden]: the state whose logits produced the last committed token.
             self._feature = hidden_states[-1].detach().float().clone()
             self._feature_len = len(self._tokens)
-            self._rollout.anchor(self._feature_len, self._feature)
+            self._rollout.anchor(self._tokens, self._feature)
             return
         if hidden_states is not None:
             log.warning(
