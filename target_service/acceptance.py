@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
+from kernels.reference import draw_uniforms, is_greedy
 from target_service import tree
 from target_service.types import DraftBlock
 from target_service.runner import RowScores
@@ -30,10 +30,10 @@ def sample(verifier: Verifier, session: Session, scores: RowScores, vocab_size: 
     """One token from the target distribution at the last scored row."""
     if scores.argmax is not None:
         return int(scores.argmax[-1])
-    _, exponentials = randomness(session, 0, vocab_size, device)  # [1, vocab]
+    _, draws = randomness(verifier, session, 0, vocab_size, device)  # [1, k], the token's draw
     s = session.sampling
     logits = scores.logits[-1:]  # [1, vocab]
-    return int(verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, exponentials)[0])
+    return int(verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, draws)[0])
 
 
 def accept_chain(
@@ -51,7 +51,7 @@ def accept_chain(
         return greedy_chain(drafts, scores.argmax.tolist())
     k = len(drafts)
     q_ids, q_probs = proposal(block, k, device)  # [1, k, m] x2
-    uniforms, exponentials = randomness(session, k, vocab_size, device)  # [1, k], [1, vocab]
+    uniforms, draws = randomness(verifier, session, k, vocab_size, device)  # [1, k], the token's draw
     num_accepted, next_token = verifier.verify_chain(
         scores.logits[None],  # [1, k+1, vocab]
         torch.tensor([drafts], dtype=torch.long, device=device).reshape(1, k),  # [1, k]
@@ -61,7 +61,7 @@ def accept_chain(
         session.sampling.top_p,
         session.sampling.top_k,
         uniforms,
-        exponentials,
+        draws,
     )
     return int(num_accepted[0]), int(next_token[0])
 
@@ -84,15 +84,18 @@ def greedy_chain(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, in
     return accepted, int(targets[accepted])
 
 
-def randomness(session: Session, k: int, vocab_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms [1, k] and exponentials [1, vocab] from the session's generator.
+def randomness(
+    verifier: Verifier, session: Session, k: int, vocab_size: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [1, k] and the next token's draw (the verifier's ``token_draws``: [1, vocab]
+    exponentials or [1, 1] uniforms) from the session's generator, in that order.
 
     Greedy sessions use no randomness; they get ones (valid inputs that are ignored).
     """
     if bool(is_greedy(session.sampling.temperature)[0]):
         ones = torch.ones(1, k + vocab_size, device=device)
         return ones[:, :k], ones[:, k:]
-    return draw_uniforms((1, k), session.generator), draw_exponentials((1, vocab_size), session.generator)
+    return draw_uniforms((1, k), session.generator), verifier.token_draws(1, vocab_size, session.generator)
 
 
 def proposal(block: DraftBlock, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:

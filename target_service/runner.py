@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.hf_attention import install_on_cuda
-from kernels.reference import draw_exponentials, draw_uniforms, is_greedy
+from kernels.reference import draw_uniforms, is_greedy
 from tandem.cpu.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.models import LoadedModel
 from tandem.quant.modules import int8_activations
@@ -194,7 +194,7 @@ class ModelRunner:
             self.greedy_head(hidden)  # [8]: oneDNN builds its bfloat16 kernels now
         # A sampling session's draws, as target_service.acceptance.randomness takes them.
         uniforms = draw_uniforms((1, 7), session.generator)  # [1, 7]
-        exponentials = draw_exponentials((1, self.vocab_size), session.generator)  # [1, vocab]
+        draws = self.verifier.token_draws(1, self.vocab_size, session.generator)  # the next token's draw
         drafts = torch.zeros(1, 7, dtype=torch.long, device=self.device)  # [1, 7]
         self.verifier.verify_chain(
             logits[None],  # [1, 8, vocab]
@@ -205,7 +205,7 @@ class ModelRunner:
             session.sampling.top_p,
             session.sampling.top_k,
             uniforms,
-            exponentials,
+            draws,
         )
 
     def _score(

@@ -246,8 +246,11 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path) -> None:
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
-def test_cpu_devices_use_the_reference() -> None:
-    assert select_verifier("cpu").backend == "reference"
+def test_cpu_devices_verify_row_by_row() -> None:
+    verifier = select_verifier("cpu")
+    assert verifier.backend == "rowwise"
+    assert verifier.token_draws(2, 262144, torch.Generator().manual_seed(0)).shape == (2, 1)
+    assert select_verifier("meta").backend == "reference"
 
 
 # --------------------------------------------------------------------------- statistics

@@ -91,7 +91,7 @@ async def test_info_health_and_reflection(engine) -> None:
         info = await target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.TargetServiceInfoRequest())
         assert (info.vocab_size, info.hidden_size, info.dtype, info.device) == (300, 32, "float32", "cpu")
         assert info.tokenizer_fingerprint == engine.info.tokenizer_fingerprint and len(info.tokenizer_fingerprint) == 32
-        assert info.verifier_backend == "reference" and info.max_context_len == 2048
+        assert info.verifier_backend == "rowwise" and info.max_context_len == 2048
         assert list(info.eos_token_ids) == [1] and info.model_name == engine.info.model_name
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tandem.v1.TargetService"))
         assert health.status == health_pb2.HealthCheckResponse.SERVING

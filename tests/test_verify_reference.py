@@ -1,4 +1,5 @@
-"""The PyTorch reference of chain verification and of the target distribution p.
+"""The PyTorch reference of chain verification and of the target distribution p, and its
+row-by-row CPU twin (``kernels.rowwise``: the same rules, a token drawn from one uniform).
 
 Deterministic cases pin the greedy rule and the tensor plumbing; the statistical cases check that
 one block of rejection sampling commits tokens distributed exactly as p (speculative sampling is
@@ -17,6 +18,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from kernels import rowwise
 from kernels.reference import (
     draw_exponentials,
     draw_uniforms,
@@ -201,12 +203,36 @@ CASES = [  # (temperature, top_p, top_k)
 ]
 
 
-@pytest.mark.parametrize("dense_q", [True, False], ids=["dense-q", "one-hot-q"])
-@pytest.mark.parametrize("temperature, top_p, top_k", CASES)
-def test_rejection_sampling_reproduces_p(dense_q: bool, temperature: float, top_p: float, top_k: int) -> None:
+# Each implementation's verify_chain, the random input of its drawn token, and the blocks checked
+# (the row-by-row twin loops in Python over rows, so it is checked on fewer).
+IMPLEMENTATIONS = {
+    "reference": (verify_chain, lambda n, vocab, g: draw_exponentials((n, vocab), g), 160_000),
+    "rowwise": (rowwise.verify_chain, rowwise.token_draws, 40_000),
+}
+
+
+def _sampling_cases() -> list:
+    """Every case with both kinds of q for the reference; each case once for the row-by-row twin
+    (one-hot q with top-k 3, where a deterministic drafter's blocks are often accepted whole, a
+    dense q elsewhere)."""
+    cases = []
+    for case in CASES:
+        for dense_q in (True, False):
+            kind = "dense-q" if dense_q else "one-hot-q"
+            cases.append(pytest.param("reference", dense_q, *case.values, id=f"reference-{kind}-{case.id}"))
+            if dense_q == (case.id != "t1-topk3"):
+                cases.append(pytest.param("rowwise", dense_q, *case.values, id=f"rowwise-{kind}-{case.id}"))
+    return cases
+
+
+@pytest.mark.parametrize("impl, dense_q, temperature, top_p, top_k", _sampling_cases())
+def test_rejection_sampling_reproduces_p(
+    impl: str, dense_q: bool, temperature: float, top_p: float, top_k: int
+) -> None:
     """Blocks of k=2: the first committed token ~ p_0; given d_1 accepted, the second ~ p_1; given
     both accepted, the bonus ~ p_2."""
-    vocab, k, n = 8, 2, 160_000
+    verify, token_draws, n = IMPLEMENTATIONS[impl]
+    vocab, k = 8, 2
     generator = torch.Generator().manual_seed(1234)
     row_logits = 1.5 * torch.randn(k + 1, vocab, generator=generator)  # [k+1, vocab]
     logits = row_logits.expand(n, k + 1, vocab)  # [n, k+1, vocab]
@@ -224,9 +250,9 @@ def test_rejection_sampling_reproduces_p(dense_q: bool, temperature: float, top_
         draft = fixed.expand(n, k)  # [n, k]
         q_ids, q_probs = _one_hot_q(draft)
 
-    num_accepted, token = verify_chain(
+    num_accepted, token = verify(
         logits, draft, q_ids, q_probs, temps, top_ps, top_ks,
-        draw_uniforms((n, k), generator), draw_exponentials((n, vocab), generator),
+        draw_uniforms((n, k), generator), token_draws(n, vocab, generator),
     )
     first = torch.where(num_accepted >= 1, draft[:, 0], token)  # [n]
     _assert_distributed_as(first, p[0], "first token")
@@ -279,3 +305,71 @@ def test_a_batch_mixing_greedy_and_sampled_rows_keeps_each_rows_rule() -> None:
     assert int(tokens[0]) == int(logits[0].argmax())
     probs = target_probs(logits[1:, None], temps[1:], top_ps[1:], top_ks[1:])[:, 0]
     assert int(tokens[1]) == int(exponential_race(probs, exponentials[1:])[0])
+
+
+# --------------------------------------------------------------------------- the row-by-row twin
+
+
+def test_rowwise_draw_and_sample_tokens_draw_p() -> None:
+    vocab, n = 8, 20_000
+    generator = torch.Generator().manual_seed(98)
+    row = torch.randn(vocab, generator=generator)
+    temps, top_ps, top_ks = _params(n, 1.0, 0.9, 6)
+    tokens = rowwise.sample_tokens(row.expand(n, vocab), temps, top_ps, top_ks, rowwise.token_draws(n, vocab, generator))
+    p = target_probs(row[None, None], temps[:1], top_ps[:1], top_ks[:1])[0, 0]
+    _assert_distributed_as(tokens, p, "rowwise.sample_tokens")
+
+    weights = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0])  # unnormalised, zeros at both ends' neighbours
+    drawn = torch.stack([rowwise.draw(weights, u) for u in draw_uniforms((n, 1), generator)])
+    _assert_distributed_as(drawn, weights / weights.sum(), "rowwise.draw")
+    # The edges of (0, 1]: a uniform of 1 takes the last token of weight, a tiny one the first.
+    assert int(rowwise.draw(weights, torch.tensor([1.0]))) == 4
+    assert int(rowwise.draw(weights, torch.tensor([1e-12]))) == 1
+
+
+def test_rowwise_accepts_as_the_reference_given_the_same_uniforms() -> None:
+    """Acceptance is the same test on the same p: with the same uniforms the twin accepts the same
+    drafts in every row; greedy rows commit the same tokens; only the drawn token's randomness differs."""
+    vocab, k, batch = 50, 4, 300
+    generator = torch.Generator().manual_seed(11)
+    logits = 2.0 * torch.randn(batch, k + 1, vocab, generator=generator)  # [batch, k+1, vocab]
+    draft = torch.where(torch.rand(batch, k, generator=generator) < 0.6, logits[:, :k].argmax(-1),
+                        torch.randint(0, vocab, (batch, k), generator=generator))  # [batch, k]
+    q_ids = torch.stack([draft, (draft + 1) % vocab], -1)  # [batch, k, 2]
+    q_probs = torch.tensor([0.7, 0.3]).expand(batch, k, 2)
+    temps = torch.where(torch.arange(batch) % 3 == 0, 0.0, 1.0)  # greedy and sampled rows mixed
+    top_ps = torch.where(torch.arange(batch) % 5 == 1, 0.8, 0.0)
+    top_ks = torch.zeros(batch, dtype=torch.long)
+    num_draft = torch.randint(0, k + 1, (batch,), generator=generator)  # [batch]
+    uniforms = draw_uniforms((batch, k), generator)
+    args = (logits, draft, q_ids, q_probs, temps, top_ps, top_ks, uniforms)
+    ref_accepted, ref_token = verify_chain(*args, draw_exponentials((batch, vocab), generator), num_draft)
+    got_accepted, got_token = rowwise.verify_chain(*args, rowwise.token_draws(batch, vocab, generator), num_draft)
+    assert got_accepted.tolist() == ref_accepted.tolist()
+    greedy = temps == 0
+    assert got_token[greedy].tolist() == ref_token[greedy].tolist()
+    assert 0 < int((got_accepted > 0).sum()) < batch and bool((got_accepted <= num_draft).all())
+    # Every drawn token is one the residual (or p, for a bonus) gives weight.
+    p = target_probs(logits, temps, top_ps, top_ks)  # [batch, k+1, vocab]
+    for b in torch.nonzero(~greedy)[:, 0].tolist():
+        row, a = p[b, int(got_accepted[b])], int(got_accepted[b])
+        if a < int(num_draft[b]):
+            row = (row - torch.zeros(vocab).index_add_(0, q_ids[b, a], q_probs[b, a])).clamp_min(0)
+        assert float(row[int(got_token[b])]) > 0
+
+
+def test_rowwise_draws_from_p_when_p_equals_q() -> None:
+    """A rejection where p == q leaves an all-zero residual (possible only through rounding): the
+    token is then drawn from p, as the reference does."""
+    logits = torch.tensor([0.0, 0.0, float("-inf")])[None, None].expand(1, 2, 3)  # [1, 2, 3]: p = [.5, .5, 0]
+    draft = torch.tensor([[0]])
+    q_ids, q_probs = torch.tensor([[[0, 1]]]), torch.tensor([[[0.5, 0.5]]])
+    forced = torch.tensor([[2.0]])  # u * q(d) = 1 > p(d) = 0.5: a rejection (u is never above 1 in use)
+    accepted, token = rowwise.verify_chain(logits, draft, q_ids, q_probs, *_params(1, 1.0), forced,
+                                           torch.tensor([[0.9]]))
+    assert accepted.tolist() == [0] and token.tolist() == [1]
+
+
+def test_rowwise_greedy_sample_tokens_is_argmax() -> None:
+    logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(0))
+    assert rowwise.sample_tokens(logits, *_params(4), torch.ones(4, 1)).tolist() == logits.argmax(-1).tolist()

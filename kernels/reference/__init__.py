@@ -8,6 +8,7 @@ from kernels.reference.sampling import (
     is_greedy,
     sample_tokens,
     target_probs,
+    token_draws,
 )
 
 # The tree attention function itself is not re-exported: its name is its module's, and binding it here
@@ -24,6 +25,7 @@ __all__ = [
     "is_greedy",
     "sample_tokens",
     "target_probs",
+    "token_draws",
     "tree_attention_mask",
     "tree_depths",
     "verify_chain",

@@ -179,6 +179,11 @@ def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator) -> torch.T
     return 1.0 - torch.rand(shape, generator=generator, device=generator.device)
 
 
+def token_draws(batch: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """The random input of one drawn token per row: [batch, vocab] Exp(1) draws (the exponential race)."""
+    return draw_exponentials((batch, vocab_size), generator)
+
+
 def draw_exponentials(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Exp(1) draws, float32, strictly positive (so ``w / E`` never divides by zero)."""
     exponentials = -torch.log(draw_uniforms(shape, generator))
