@@ -2,6 +2,7 @@
 
     python benchmarks/pass_rows.py                              # gemma-3-270m, 1-8 rows and a 5-node tree
     python benchmarks/pass_rows.py --kernels avx2 avx512vnni --rows 1 4 8 --context 300 --json out.json
+    python benchmarks/pass_rows.py --no-float32 --temperature 0 1   # greedy and sampled sessions side by side
 
 Engines: the float32 dequantization (``--dtype float32``: oneDNN products, the screened LM head)
 and the GGUF file's own blocks through each quantized kernel this host runs (``TANDEM_QUANT_KERNEL``).
@@ -10,6 +11,8 @@ drafts after ``--context`` tokens of the bench prompts' text (one row is a decod
 five-node token tree), all
 engines interleaved in one process so the host's drift hits them alike; the cache is cut back after
 every pass. Verification pays when a pass of k + 1 rows costs little more than one of a single row.
+``--temperature`` gives each engine one session per temperature (sampled blocks carry a draft q on
+two tokens, so their verification, acceptance and recovered-token draw are in the time).
 """
 
 from __future__ import annotations
@@ -28,20 +31,24 @@ from tandem.models import load_model
 from tandem.quant.native import available_kernels
 from target_service import kv_cache
 from target_service.types import DraftBlock
+from tandem.rpc.types import SparseDist
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
 SESSION = "bench"
-TREE = (-1, -1, 0, 1, 2)  # five nodes: two roots' chains, as ngram+eagle drafts for greedy sessions
+SAMPLED_Q = (0.6, 0.4)  # a sampled block's q on each draft token and one other tokenTREE = (-1, -1, 0, 1, 2)  # five nodes: two roots' chains, as ngram+eagle drafts for greedy sessions
 
 
-def timed(engine: TargetEngine, rows: int | str) -> float:
-    session = engine.store.get(SESSION)
+def timed(engine: TargetEngine, rows: int | str, session_id: str = SESSION) -> float:
+    session = engine.store.get(session_id)
     length = len(session.tokens)
     if rows == "tree":
-        block = DraftBlock(SESSION, length, (11, 12, 13, 14, 15), draft_parents=TREE)
+        block = DraftBlock(session_id, length, (11, 12, 13, 14, 15), draft_parents=TREE)
     else:
-        block = DraftBlock(SESSION, length, tuple(range(100, 100 + rows - 1)))
+        drafts = tuple(range(100, 100 + rows - 1))
+        sampled = session.config.temperature > 0
+        q = tuple(SparseDist((d, d + 1000), SAMPLED_Q) for d in drafts) if sampled else ()
+        block = DraftBlock(session_id, length, drafts, draft_probs=q)
     started = time.perf_counter()
     engine.verify(block)
     seconds = time.perf_counter() - started
@@ -64,6 +71,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-float32", action="store_true", help="leave out the float32 engine")
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--temperature", nargs="+", type=float, default=[0.0],
+                        help="a session per temperature (0 = greedy); trees are greedy only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -80,21 +89,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     text = "".join(p.prompt for p in load_prompts(None, 0))
     ids = load_model_tokenizer(args.model)(text).input_ids
     prompt = (ids * (args.context // len(ids) + 1))[: args.context]
+    sessions = {t: f"{SESSION}-t{t:g}" for t in args.temperature}
     for engine in engines.values():
-        engine.prefill(SESSION, prompt, SessionConfig(max_new_tokens=30000, ignore_eos=True))
+        for t, session_id in sessions.items():
+            engine.prefill(session_id, prompt, SessionConfig(max_new_tokens=30000, ignore_eos=True, temperature=t, seed=0))
     rows = [r if r == "tree" else int(r) for r in args.rows]
-    times: dict[tuple[str, object], list[float]] = {}
+    cases = [(t, count) for t in sessions for count in rows if t == 0 or count != "tree"]
+    times: dict[tuple[str, float, object], list[float]] = {}
     for _ in range(args.repeats):
-        for count in rows:
+        for t, count in cases:
             for name, engine in engines.items():
-                times.setdefault((name, count), []).append(timed(engine, count))
+                times.setdefault((name, t, count), []).append(timed(engine, count, sessions[t]))
     table = []
     for name in engines:
-        one = statistics.median(times[(name, rows[0])])
-        for count in rows:
-            median = statistics.median(times[(name, count)])
-            table.append({"engine": name, "rows": count, "ms": median * 1e3, "vs_first": median / one})
-            print(f"{name:<22} rows {count!s:>4}  {median * 1e3:7.1f} ms  {median / one:5.2f}x of {rows[0]} row(s)")
+        for t in sessions:
+            counts = [count for temp, count in cases if temp == t]
+            one = statistics.median(times[(name, t, counts[0])])
+            for count in counts:
+                median = statistics.median(times[(name, t, count)])
+                table.append({"engine": name, "temperature": t, "rows": count, "ms": median * 1e3, "vs_first": median / one})
+                print(f"{name:<22} T={t:<4g} rows {count!s:>4}  {median * 1e3:7.1f} ms  {median / one:5.2f}x of {counts[0]} row(s)")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
     return table
