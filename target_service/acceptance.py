@@ -30,7 +30,7 @@ def sample(verifier: Verifier, session: Session, scores: RowScores, vocab_size: 
     """One token from the target distribution at the last scored row."""
     if scores.argmax is not None:
         return int(scores.argmax[-1])
-    _, draws = randomness(verifier, session, 0, vocab_size, device)  # [1, k], the token's draw
+    _, draws = randomness(verifier, session, 0, vocab_size, device)  # no acceptance tests; the token's draw
     s = session.sampling
     logits = scores.logits[-1:]  # [1, vocab]
     return int(verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, draws)[0])

@@ -1,11 +1,11 @@
 """Which implementation of the verification and sampling ops the engine calls.
 
-DESIGN §5: the fused Triton kernels of ``kernels/`` on CUDA; elsewhere ``kernels/rowwise.py``,
+DESIGN §5: the fused Triton kernels of ``kernels/`` on CUDA; on a CPU ``kernels/rowwise.py``,
 which applies the rules of the PyTorch references (``kernels/reference/``) row by row and draws a
 token from one uniform instead of one draw per vocabulary id (the serial CPU's way to the same
 distribution). All share one signature, the token's random input made by the backend's own
 ``token_draws``, so the engine never knows which it has; ``Info`` reports the choice as
-``verifier_backend``.
+``verifier_backend``. Other devices (MPS, say) run the references themselves.
 """
 
 from __future__ import annotations
