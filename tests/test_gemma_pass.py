@@ -72,6 +72,27 @@ def test_gated_activation_matches_its_reference_in_the_body_and_the_tail(ops, wi
                                torch.nn.functional.gelu(extreme, approximate="tanh"))
 
 
+@pytest.mark.parametrize("width", [262144, 37, 1])
+def test_argmax_rows_is_torch_argmax_ties_nan_and_tails_included(ops, width: int) -> None:
+    x = _randn(4, width, seed=15)
+    cases = [x, x.round()]  # rounded: many rows of equal maxima, the first must win
+    edge = torch.full((4, width), float("-inf"))
+    edge[1, width // 2] = float("nan")  # a NaN counts as the largest
+    edge[2, -1] = float("nan")
+    edge[3, :] = 7.0  # all equal: index 0
+    cases.append(edge)
+    if width > 1:
+        tied = x.clone()
+        tied[:, -1] = tied[:, :-1].amax(dim=1) + 1  # the maximum in the tail (past the last full vector)
+        tied[:, width // 3] = tied[:, -1]  # ... and tied earlier: the earlier one wins
+        cases.append(tied)
+    for case in cases:
+        assert ops.argmax_rows(case).tolist() == case.argmax(dim=1).tolist()
+        assert reference.argmax_rows(case).tolist() == case.argmax(dim=1).tolist()
+    joined = _randn(3, 2 * width, seed=16)  # rows of a strided view
+    assert ops.argmax_rows(joined[:, :width]).tolist() == joined[:, :width].argmax(dim=1).tolist()
+
+
 def test_ops_refuse_malformed_arguments(ops) -> None:
     with pytest.raises(RuntimeError, match="640 columns"):
         ops.rms_norm(_randn(2, 64), _randn(640), EPS)
@@ -79,6 +100,8 @@ def test_ops_refuse_malformed_arguments(ops) -> None:
         ops.gelu_tanh_mul(_randn(2, 8), _randn(2, 9))
     with pytest.raises(RuntimeError, match="head_dim"):
         ops.head_norm_rope(_randn(2, 3, 31), _randn(31), _randn(2, 31), _randn(2, 31), EPS)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(_randn(2, 8).double())
 
 
 def test_references_compute_what_transformers_gemma_modules_do() -> None:

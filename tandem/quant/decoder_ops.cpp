@@ -7,6 +7,7 @@
 // (sums of squares in double, in index order), so a verification pass's row is bit for bit the
 // row a one-token step computes.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -127,6 +128,57 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// The index of a row's largest value as torch.argmax gives it: the first of equal maxima, and the
+// first NaN where the row has one (NaN counts as the largest). One pass for the maximum (and
+// whether a NaN is there), a second for its first position, which usually stops early.
+inline int64_t row_argmax(const float* p, int64_t n) {
+  const int64_t body = n - n % V;
+  vf best = vf{} - __builtin_inff();
+  vi nan = vi{};
+  for (int64_t j = 0; j < body; j += V) {
+    const vf v = load(p + j);
+    nan |= v != v;
+    best = v > best ? v : best;
+  }
+  float top = -__builtin_inff();
+  bool has_nan = false;
+  for (int i = 0; i < V; ++i) {
+    top = best[i] > top ? best[i] : top;
+    has_nan = has_nan || nan[i];
+  }
+  for (int64_t j = body; j < n; ++j) {
+    top = p[j] > top ? p[j] : top;
+    has_nan = has_nan || p[j] != p[j];
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] != p[j]) return j;
+  }
+  const vf target = vf{} + top;
+  for (int64_t j = 0; j < body; j += V) {
+    const vi hit = load(p + j) == target;
+    for (int i = 0; i < V; ++i)
+      if (hit[i]) return j + i;
+  }
+  for (int64_t j = body; j < n; ++j)
+    if (p[j] == top) return j;
+  return 0;  // not reached: top is one of the row's values (all -inf included)
+}
+
+// x [rows, n] (each row contiguous) -> [rows] int64, each row's argmax as torch.argmax(x, dim=1).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              "x must be float32 [rows, n > 0], each row contiguous");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = row_argmax(base + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 #ifndef TANDEM_QUANT_LIBRARY
@@ -140,6 +192,7 @@ TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
   m.def("add_rms_norm(Tensor residual, Tensor x, Tensor post, Tensor pre, float eps) -> (Tensor, Tensor)");
   m.def("head_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) {
@@ -147,4 +200,5 @@ TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("head_norm_rope", &head_norm_rope);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

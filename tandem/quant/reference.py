@@ -96,3 +96,8 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up, gelu's tanh approximation."""
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, n] -> [rows] int64: each row's first largest value's index (NaN counts as largest)."""
+    return x.argmax(dim=1)
