@@ -278,3 +278,38 @@ async def test_a_peer_that_fails_every_request_does_not_end_the_run(
 def test_bad_peer_urls_are_refused() -> None:
     with pytest.raises(SystemExit, match="tandem bench: --peer-url takes an http"):
         bench.main(bench_args("--url", "http://127.0.0.1:9", "--peer-url", "localhost:8080"))
+
+
+def _sse(*texts: str) -> bytes:
+    chunks = [f'data: {json.dumps({"choices": [{"text": t}]})}\n\n' for t in texts]
+    return ("".join(chunks) + "data: [DONE]\n\n").encode()
+
+
+def test_a_request_the_server_dropped_unanswered_is_sent_once_more() -> None:
+    """llama-server closes idle kept-alive connections; a request that meets one gets no answer at
+    all and goes again on a fresh connection. Twice unanswered, or a failure after the answer began,
+    is the request's error."""
+    from tandem.tools.bench.client import stream_completion
+
+    calls: list[int] = []
+
+    def transport(drops: int, body: bytes = _sse("Hel", "lo")) -> httpx.MockTransport:
+        def handle(request: httpx.Request) -> httpx.Response:
+            calls.append(1)
+            if len(calls) <= drops:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.MockTransport(handle)
+
+    with httpx.Client(transport=transport(drops=1)) as client:
+        assert stream_completion(client, "http://peer", {"prompt": "x"}).texts == ["Hel", "lo"]
+    assert len(calls) == 2
+    calls.clear()
+    with httpx.Client(transport=transport(drops=2)) as client, pytest.raises(httpx.RemoteProtocolError):
+        stream_completion(client, "http://peer", {"prompt": "x"})
+    assert len(calls) == 2
+    calls.clear()
+    with httpx.Client(transport=transport(drops=0, body=b'data: {"error": "boom"}\n\n')) as client, \
+            pytest.raises(RuntimeError, match="boom"):
+        stream_completion(client, "http://peer", {"prompt": "x"})
+    assert len(calls) == 1

@@ -9,6 +9,7 @@ URL peers (``tandem.tools.bench.peers``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import time
@@ -174,13 +175,33 @@ def trust(ca_file: str | None) -> ssl.SSLContext | bool:
 def stream_completion(client: httpx.Client, url: str, body: dict) -> Streamed:
     """POSTs ``body`` to ``{url}/v1/completions`` and reads the SSE stream to its end.
 
-    Raises RuntimeError on an HTTP error status or an in-stream error object.
+    A request whose connection closed before any answer (a kept-alive connection the server had
+    just dropped: llama-server closes idle ones) is sent once more on a fresh connection and timed
+    from there; nothing was served the first time. Raises RuntimeError on an HTTP error status or
+    an in-stream error object.
     """
+    try:
+        return _stream_once(client, url, body)
+    except _Unanswered:
+        return _stream_once(client, url, body, retry=False)
+
+
+class _Unanswered(Exception):
+    """The connection closed before the server sent a status line."""
+
+
+def _stream_once(client: httpx.Client, url: str, body: dict, retry: bool = True) -> Streamed:
     start = time.perf_counter()
     stamps: list[float] = []
     texts: list[str] = []
     usage: dict = {}
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    with contextlib.ExitStack() as stack:
+        try:
+            response = stack.enter_context(client.stream("POST", f"{url}/v1/completions", json=body))
+        except httpx.RemoteProtocolError as exc:
+            if retry:
+                raise _Unanswered from exc
+            raise
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}")
         for line in response.iter_lines():
