@@ -218,3 +218,36 @@ def test_the_engine_routes_short_steps_through_the_pass(tiny_gguf_gemma, tmp_pat
     engine.prefill("s", list(range(3, 40)), SessionConfig(max_new_tokens=3, ignore_eos=True))
     engine.generate("s", 2)
     assert calls[-2:] == [1, 1]  # each decode step: one row through the pass
+
+
+@pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # AVX2 and AVX-512 builds of the native argmax
+def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gguf_gemma, tmp_path, isa) -> None:
+    """A greedy step's rows come back as their argmax (``RowScores.argmax`` from decoder_ops'
+    argmax_rows); decoding and verification give the tokens the logits' own argmax gives."""
+    from tandem import models
+    from target_service.runner import RowScores
+    from target_service.session import SessionConfig
+    from target_service.types import DraftBlock
+
+    hf_dir, _ = tiny_gguf_gemma
+    model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    engines = []
+    for native in (True, False):
+        engine = TargetEngine(models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir,
+                                                 "float32", "cpu", "quantized:test"))
+        assert engine.runner.argmax_rows == load_decoder_ops(isa).argmax_rows
+        if not native:
+            engine.runner.argmax_rows = None  # the verifier's argmax over the logits instead
+        engines.append(engine)
+    seen: list[RowScores] = []
+    real = engines[0].runner._score
+    engines[0].runner._score = lambda steps, outputs: [seen.append(s) or (s, h) for s, h in real(steps, outputs)]
+    outputs = []
+    for engine in engines:
+        engine.prefill("s", list(range(3, 30)), SessionConfig(max_new_tokens=40, ignore_eos=True))
+        generated = engine.generate("s", 6).token_ids
+        committed = len(engine.store.get("s").tokens)
+        verdict = engine.verify(DraftBlock("s", committed, tuple(generated[:4])))
+        outputs.append((generated, verdict.num_accepted, verdict.committed_token_ids))
+    assert outputs[0] == outputs[1]
+    assert any(s.argmax is not None and s.logits is None for s in seen)
