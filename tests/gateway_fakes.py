@@ -214,6 +214,16 @@ class FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise
 
 
+async def speculations_cancelled(model: ScriptedModel, timeout_s: float = 5.0) -> list[str]:
+    """The sessions whose Speculate the draft fake saw cancelled, once it has seen one: its handler
+    learns of a cancelled call over the network, maybe after the gateway released the session."""
+    for _ in range(int(timeout_s / 0.05)):
+        if model.cancelled_speculations:
+            break
+        await asyncio.sleep(0.05)
+    return model.cancelled_speculations
+
+
 async def serve_fake(add_servicer, servicer, service_name: str, port: int = 0) -> tuple[grpc.aio.Server, int]:
     server = make_server()
     add_servicer(servicer, server)

@@ -17,6 +17,7 @@ from gateway_fakes import (  # noqa: F401  (stack and tokenizer are fixtures)
     FakeDraftServicer,
     fake_stack,
     serve_fake,
+    speculations_cancelled,
     stack,
     tokenizer,
 )
@@ -165,7 +166,7 @@ async def test_client_cancel_releases_the_session(tokenizer, tiny_dir):
             call.cancel()
             await stack.wait_until_idle()
         (session_id,) = stack.model.released
-        assert stack.model.cancelled_speculations == [session_id]
+        assert await speculations_cancelled(stack.model) == [session_id]
         assert stack.metric("tandem_requests_total", status="abort") == 1
 
 
