@@ -100,7 +100,8 @@ class ModelRunner:
             screened_argmax_for(self.model, loaded.device) if screened_head else None
         )
         # Greedy rows' argmax over the logits from the pass's native ops (decoder_ops.cpp: vectorised,
-        # torch.argmax's ties and NaN rule); torch's own takes about 0.4 ms a 262k-vocabulary row here.
+        # torch.argmax's ties and NaN rule), cheaper than torch's over a large vocabulary (figures:
+        # benchmarks/RESULTS.md, 2026-12-03).
         lean_pass = gemma_pass.for_model(self.model) if self.lean else None
         self.argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = (
             getattr(lean_pass.ops, "argmax_rows", None) if lean_pass is not None else None
