@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tandem.quant import reference
-from tandem.quant.modules import QuantEmbedding, QuantLinear, product
+from tandem.quant.modules import QuantEmbedding, QuantLinear, bound_product
 from tandem.quant.tensor import QuantizedTensor, stack, stackable
 
 log = logging.getLogger(__name__)
@@ -36,25 +36,29 @@ _ATTRIBUTE = "_tandem_gemma_pass"
 
 class _Products:
     """The products of one input with several weights (q, k, v; gate, up), each run of weights of
-    one format joined into one kernel call (``tandem.quant.tensor.stack``: the same bits per row)."""
+    one format joined into one kernel call (``tandem.quant.tensor.stack``: the same bits per row),
+    the call bound once (``bound_product``)."""
 
     def __init__(self, *modules: QuantLinear) -> None:
-        self.kernel = modules[0].kernel
-        self.runs: list[tuple[QuantizedTensor, list[int]]] = []  # (joined weight, each module's out_features)
+        runs: list[tuple[QuantizedTensor, list[int]]] = []  # (joined weight, each module's out_features)
         for module in modules:
             weight = module.quantized
-            if self.runs and stackable([self.runs[-1][0], weight]):
-                joined, sizes = self.runs[-1]
-                self.runs[-1] = (stack([joined, weight]), [*sizes, module.out_features])
+            if runs and stackable([runs[-1][0], weight]):
+                joined, sizes = runs[-1]
+                runs[-1] = (stack([joined, weight]), [*sizes, module.out_features])
             else:
-                self.runs.append((weight, [module.out_features]))
+                runs.append((weight, [module.out_features]))
+        self.runs = [(bound_product(modules[0].kernel, weight), sizes) for weight, sizes in runs]
         self.biases = [module.bias for module in modules]
+        self.plain = all(bias is None for bias in self.biases) and len(modules) == 1
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [rows, in] float32 contiguous -> each module's [rows, out_i] (views of a joined run's output)."""
+        if self.plain:  # one weight, no bias: the hot path of o and down
+            return [self.runs[0][0](x)]
         outputs = []
-        for weight, sizes in self.runs:
-            out = product(self.kernel, x, weight)  # [rows, sum(sizes)]
+        for call, sizes in self.runs:
+            out = call(x)  # [rows, sum(sizes)]
             outputs.extend(out.split(sizes, dim=1) if len(sizes) > 1 else (out,))
         return [out if bias is None else out + bias for out, bias in zip(outputs, self.biases)]
 
@@ -139,16 +143,21 @@ class GemmaPass:
         hidden = self.embed(input_ids).float().contiguous()  # [rows, hidden]
         tables = {kind: rope.at(positions) for kind, rope in self.ropes.items()}
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        alone = ragged.alone()  # one session attending row by row: its cache written and read directly
         for index, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope]
             q, k, v = layer.qkv(normed)  # [rows, heads * head_dim], [rows, kv_heads * head_dim] x 2
             q = ops.head_norm_rope(q.view(rows, self.heads, self.head_dim), layer.q_norm, cos, sin, eps)
             k = ops.head_norm_rope(k.view(rows, self.kv_heads, self.head_dim), layer.k_norm, cos, sin, eps)
             v = v.view(rows, self.kv_heads, self.head_dim)
-            keys, values = ragged.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], index)
-            out, _ = attend(layer.attention, q.transpose(0, 1)[None], keys, values, ragged.marker,
-                            sliding_window=layer.window, **self.attention_kwargs)  # [1, rows, heads, head_dim]
-            (attended,) = layer.o(out.reshape(rows, self.heads * self.head_dim).contiguous())  # [rows, hidden]
+            if alone is not None:
+                out = alone(index, q, k, v, layer.window, **self.attention_kwargs)  # [rows, heads * head_dim]
+            else:
+                keys, values = ragged.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], index)
+                out, _ = attend(layer.attention, q.transpose(0, 1)[None], keys, values, ragged.marker,
+                                sliding_window=layer.window, **self.attention_kwargs)  # [1, rows, heads, head_dim]
+                out = out.reshape(rows, self.heads * self.head_dim).contiguous()
+            (attended,) = layer.o(out)  # [rows, hidden]
             hidden, normed = ops.add_rms_norm(hidden, attended, layer.post_attention_norm, layer.pre_feedforward_norm,
                                               eps)
             gated = ops.gelu_tanh_mul(*layer.gate_up(normed))  # [rows, intermediate]

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -75,6 +76,28 @@ class RaggedCache:
         if shape not in self.masks:
             self.masks[shape] = tree_attention_mask(tree, size, keys, sliding_window=window, device=device)[:, None]
         return self.masks[shape]
+
+    def alone(self) -> Callable | None:
+        """For a row-exact pass over one session where the native row attention is built: a function
+        ``(layer_idx, query, key, value, window, scaling, softcap) -> [rows, heads * head_dim]`` that
+        appends the layer's new keys and values to the session's cache and attends each row alone
+        (what :meth:`update` and the installed attention do, without their per-layer generality).
+        Else None."""
+        native = _native_attention() if self.row_exact and len(self.caches) == 1 else None
+        return None if native is None else partial(self._attend_alone, native)
+
+    def _attend_alone(self, native, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      window: int | None, scaling: float, softcap: float | None) -> torch.Tensor:
+        """query [rows, heads, head_dim] float32 contiguous; key/value [rows, kv_heads, head_dim] float32."""
+        cache, size = self.caches[0], self.sizes[0]
+        keys, values = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], layer_idx)
+        ranges = self.row_plans.get((0, window))
+        if ranges is None:
+            ranges = self.row_plans[0, window] = _row_ranges(keys.shape[2] - size, size, window, self.tree(0))
+        # the layer's whole buffers where it has them: contiguous whatever the number of kv heads
+        keys, values = kv_cache.buffers(cache.layers[layer_idx]) or (keys[0].contiguous(), values[0].contiguous())
+        out = native(query, keys, values, *ranges, scaling, softcap or 0.0)  # [rows, heads, head_dim]
+        return out.view(size, -1)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``key``/``value``: [1, kv_heads, rows, head_dim]; each session's slice goes to its cache."""

@@ -22,6 +22,7 @@ from target_service.engine import TargetEngine
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
         for isa in ("avx2", "avx2int8", "avx512", "avx512vnni")]
 EPS = 1e-6
+RAGGED_ALONE = ragged.RaggedCache.alone
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -191,6 +192,36 @@ def test_a_pass_scores_every_row_as_a_one_token_step_does(tiny_gguf_gemma, tmp_p
         kv_cache.truncate(cache, len(prompt))
         alone = torch.cat([ragged.forward(model, [cache], [[token]], "cpu", row_exact=True)[0][0] for token in new])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1, 3)])
+@pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # the int8 builds: a target's default on AVX2 and VNNI
+def test_a_lone_session_writes_and_attends_its_cache_directly_as_the_general_path_does(
+        tiny_gguf_gemma, tmp_path, monkeypatch, isa: str, tree) -> None:
+    """``RaggedCache.alone`` (one session, row by row, the native attention reading the cache's whole
+    buffers) gives bit for bit the logits, hidden states and cache of the per-layer ``update`` and
+    installed attention, for a chain and a token tree past the sliding window of 8, with two kv heads
+    (whose cache views are not contiguous)."""
+    model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    assert model.config.num_key_value_heads == 2
+    direct = _lone_pass(model, tree, monkeypatch, direct=True)
+    general = _lone_pass(model, tree, monkeypatch, direct=False)
+    for got, want in zip(direct, general, strict=True):
+        assert torch.equal(got, want)
+
+
+def _lone_pass(model, tree, monkeypatch, direct: bool) -> list[torch.Tensor]:
+    """Five new tokens after a 13-token prompt, one session row by row, with or without
+    ``RaggedCache.alone``: [logits, hidden states, then each layer's keys and values]."""
+    real = RAGGED_ALONE
+    used = []
+    monkeypatch.setattr(ragged.RaggedCache, "alone", lambda self: used.append(real(self) if direct else None) or used[-1])
+    (cache,) = _caches(model, [list(range(3, 16))])
+    with torch.inference_mode():
+        (logits,), (hidden,) = ragged.forward(model, [cache], [[21, 22, 23, 24, 25]], "cpu", want_hidden=True,
+                                              trees=[tree], row_exact=True)
+    assert (used[-1] is not None) == direct
+    return [logits, hidden, *(t.clone() for layer in cache.layers for t in (layer.keys, layer.values))]
 
 
 def test_only_a_gemma_on_quantized_weights_throughout_gets_the_pass(tiny_gguf_gemma, tmp_path) -> None:

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +18,25 @@ constexpr int TILE = 16;
 // Tiles per block: a block's weights (up to 8 x 16 rows x 2048 bytes) stay in cache while every chunk of
 // MAX_ROWS input rows passes over them, so a long prompt chunk reads each weight from memory once.
 constexpr int64_t TILES_PER_BLOCK = 8;
+
+// How far ahead of its reads a tile loop asks for its weights (bytes of packed data). A decode step's
+// products are many small passes over weights that come from memory; the hardware prefetchers learn
+// each new stream only after its first misses, which a small product never amortises, so the loop
+// names the lines it will read next itself (figures: benchmarks/RESULTS.md, "prefetch").
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+// Asks for the packed lines PREFETCH_BYTES past group gp and for the scales (and mins) of the group as
+// far ahead; ``index`` is the group's place in the scale array ([tiles, groups, TILE]). Hints only:
+// an address past the end is never read.
+template <typename Scale>
+inline void prefetch_ahead(const uint8_t* gp, int64_t group_bytes, const Scale* scale, const float* mins,
+                           int64_t index) {
+  for (int64_t line = 0; line < group_bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(gp + PREFETCH_BYTES + line), _MM_HINT_T0);
+  const int64_t ahead = (index + PREFETCH_BYTES / group_bytes + 1) * TILE;
+  _mm_prefetch(reinterpret_cast<const char*>(scale + ahead), _MM_HINT_T0);
+  if (mins) _mm_prefetch(reinterpret_cast<const char*>(mins + ahead), _MM_HINT_T0);
+}
 
 struct Activations {
   at::Tensor q;       // [rows, K] int8

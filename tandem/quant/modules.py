@@ -13,10 +13,13 @@ scores a position with exactly the logits an autoregressive step gives it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
-from tandem.quant.native import QuantKernel
+from tandem.quant.native import QuantKernel, tiles_op
 from tandem.quant.reference import dequantize
 from tandem.quant.tensor import QuantizedTensor
 
@@ -98,6 +101,17 @@ def product(kernel: QuantKernel, rows: torch.Tensor, weight: QuantizedTensor) ->
     if rows.shape[0] > DENSE_ROWS and kernel.activations == "float32":
         return rows @ dequantize(weight).T
     return kernel.matmul(rows, weight)
+
+
+def bound_product(kernel: QuantKernel, weight: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`product` with ``weight``, its kernel call resolved once: rows [m, in] float32 contiguous
+    -> [m, out]. A decode step makes ~70 small products; looking up the op and its arguments on each
+    costs as much as a small product's arithmetic (figures: docs/design-notes.md#quantized-cpu-kernels)."""
+    op = tiles_op(kernel, weight)
+    if op is None:
+        return partial(product, kernel, weight=weight)
+    arguments = (weight.packed, weight.scale, weight.mins, weight.group, weight.bits, weight.zero, weight.shape[0])
+    return lambda rows: op(rows, *arguments)
 
 
 def int8_activations(model: nn.Module) -> bool:

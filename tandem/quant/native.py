@@ -94,16 +94,25 @@ class QuantKernel:
     def matmul(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
         """x [rows, in] float32 contiguous -> [rows, out] float32, ``weight`` as :meth:`prepare` left it."""
         out_features = weight.shape[0]
-        if self.activations == "int8":
-            if weight.layout != TILES or self.isa in REFERENCES:  # rows that do not tile: the same, in PyTorch
-                return reference.qmatmul_int8_activations(x, weight)
-            return _ops(self.isa).qmatmul_tiles(x, weight.packed, weight.scale, weight.mins, weight.group,
-                                                weight.bits, weight.zero, out_features)
+        tiles = tiles_op(self, weight)
+        if tiles is not None:
+            return tiles(x, weight.packed, weight.scale, weight.mins, weight.group, weight.bits, weight.zero,
+                         out_features)
+        if self.activations == "int8":  # rows that do not tile, or the reference build: the same, in PyTorch
+            return reference.qmatmul_int8_activations(x, weight)
         if self.isa == "reference":
             return reference.qmatmul(x, weight.packed, weight.scale, weight.mins, weight.group, weight.bits,
                                      weight.zero, out_features)
         return _ops(self.isa).qmatmul(x, weight.packed, weight.scale, weight.mins, weight.group, weight.bits,
                                       weight.zero, out_features)
+
+
+def tiles_op(kernel: QuantKernel, weight: QuantizedTensor):
+    """The native op :meth:`QuantKernel.matmul` calls for ``weight`` as
+    ``op(x, packed, scale, mins, group, bits, zero, out_features)``, or None where it calls anything else."""
+    if kernel.activations == "int8" and weight.layout == TILES and kernel.isa not in REFERENCES:
+        return _ops(kernel.isa).qmatmul_tiles
+    return None
 
 
 def probe() -> tuple[str | None, str]:

@@ -141,6 +141,7 @@ void tiles_kernel(const Activations& a, int64_t m0, int64_t K, const uint8_t* pa
     const uint8_t* tile = packed + t * groups * group_bytes;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* gp = tile + g * group_bytes;
+      tandem_int8::prefetch_ahead(gp, group_bytes, scale, mins, t * groups + g);
       __m256i iacc[M][2];
       for (int m = 0; m < M; ++m) iacc[m][0] = iacc[m][1] = _mm256_setzero_si256();
       if constexpr (BITS == 8) {

@@ -103,6 +103,7 @@ void tiles_kernel(const Activations& a, int64_t m0, int64_t K, const uint8_t* pa
     const uint8_t* tile = packed + t * groups * group_bytes;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* gp = tile + g * group_bytes;
+      tandem_int8::prefetch_ahead(gp, group_bytes, scale, mins, t * groups + g);
       __m512i iacc[M];
       for (int m = 0; m < M; ++m) iacc[m] = _mm512_setzero_si512();
       for (int j = 0; j < blocks; ++j) {
