@@ -36,7 +36,8 @@ from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
 SESSION = "bench"
-SAMPLED_Q = (0.6, 0.4)  # a sampled block's q on each draft token and one other tokenTREE = (-1, -1, 0, 1, 2)  # five nodes: two roots' chains, as ngram+eagle drafts for greedy sessions
+SAMPLED_Q = (0.6, 0.4)  # a sampled block's q on each draft token and one other token
+TREE = (-1, -1, 0, 1, 2)  # five nodes: two roots' chains, as ngram+eagle drafts for greedy sessions
 
 
 def timed(engine: TargetEngine, rows: int | str, session_id: str = SESSION) -> float:
