@@ -143,7 +143,7 @@ class GemmaPass:
         hidden = self.embed(input_ids).float().contiguous()  # [rows, hidden]
         tables = {kind: rope.at(positions) for kind, rope in self.ropes.items()}
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
-        alone = ragged.alone()  # one session attending row by row: its cache written and read directly
+        alone = ragged.alone(self.head_dim)  # one session attending row by row: its cache written and read directly
         for index, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope]
             q, k, v = layer.qkv(normed)  # [rows, heads * head_dim], [rows, kv_heads * head_dim] x 2

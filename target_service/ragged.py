@@ -77,13 +77,14 @@ class RaggedCache:
             self.masks[shape] = tree_attention_mask(tree, size, keys, sliding_window=window, device=device)[:, None]
         return self.masks[shape]
 
-    def alone(self) -> Callable | None:
-        """For a row-exact pass over one session where the native row attention is built: a function
+    def alone(self, head_dim: int) -> Callable | None:
+        """For a row-exact pass over one session where the native row attention is built (and takes
+        ``head_dim``, a multiple of 16, as :func:`_rows_alone` requires): a function
         ``(layer_idx, query, key, value, window, scaling, softcap) -> [rows, heads * head_dim]`` that
         appends the layer's new keys and values to the session's cache and attends each row alone
         (what :meth:`update` and the installed attention do, without their per-layer generality).
         Else None."""
-        native = _native_attention() if self.row_exact and len(self.caches) == 1 else None
+        native = _native_attention() if self.row_exact and len(self.caches) == 1 and head_dim % 16 == 0 else None
         return None if native is None else partial(self._attend_alone, native)
 
     def _attend_alone(self, native, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -215,7 +215,12 @@ def _lone_pass(model, tree, monkeypatch, direct: bool) -> list[torch.Tensor]:
     ``RaggedCache.alone``: [logits, hidden states, then each layer's keys and values]."""
     real = RAGGED_ALONE
     used = []
-    monkeypatch.setattr(ragged.RaggedCache, "alone", lambda self: used.append(real(self) if direct else None) or used[-1])
+
+    def alone(self, head_dim):
+        used.append(real(self, head_dim) if direct else None)
+        return used[-1]
+
+    monkeypatch.setattr(ragged.RaggedCache, "alone", alone)
     (cache,) = _caches(model, [list(range(3, 16))])
     with torch.inference_mode():
         (logits,), (hidden,) = ragged.forward(model, [cache], [[21, 22, 23, 24, 25]], "cpu", want_hidden=True,

@@ -22,7 +22,7 @@ constexpr int64_t TILES_PER_BLOCK = 8;
 // How far ahead of its reads a tile loop asks for its weights (bytes of packed data). A decode step's
 // products are many small passes over weights that come from memory; the hardware prefetchers learn
 // each new stream only after its first misses, which a small product never amortises, so the loop
-// names the lines it will read next itself (figures: benchmarks/RESULTS.md, "prefetch").
+// names the lines it will read next itself (figures: benchmarks/RESULTS.md, 2026-12-03, "the int8 kernels prefetch").
 constexpr int64_t PREFETCH_BYTES = 1024;
 
 // Asks for the packed lines PREFETCH_BYTES past group gp and for the scales (and mins) of the group as
