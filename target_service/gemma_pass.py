@@ -50,12 +50,9 @@ class _Products:
                 runs.append((weight, [module.out_features]))
         self.runs = [(bound_product(modules[0].kernel, weight), sizes) for weight, sizes in runs]
         self.biases = [module.bias for module in modules]
-        self.plain = all(bias is None for bias in self.biases) and len(modules) == 1
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [rows, in] float32 contiguous -> each module's [rows, out_i] (views of a joined run's output)."""
-        if self.plain:  # one weight, no bias: the hot path of o and down
-            return [self.runs[0][0](x)]
         outputs = []
         for call, sizes in self.runs:
             out = call(x)  # [rows, sum(sizes)]

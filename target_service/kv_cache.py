@@ -80,14 +80,6 @@ class GrowableLayer(DynamicLayer):
         self.values = self._value_buffer[..., :length, :]
 
 
-def buffers(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A :class:`GrowableLayer`'s first batch row of its key and value buffers, [kv_heads, capacity,
-    head_dim] each, contiguous (positions past its length hold nothing); None for other layers."""
-    if not isinstance(layer, GrowableLayer) or layer._key_buffer is None or layer._key_buffer.shape[0] != 1:
-        return None
-    return layer._key_buffer[0], layer._value_buffer[0]
-
-
 def new_cache() -> DynamicCache:
     """An empty cache whose layers all keep full history (see the module docstring), written in
     place (:class:`GrowableLayer`)."""

@@ -95,9 +95,7 @@ class RaggedCache:
         ranges = self.row_plans.get((0, window))
         if ranges is None:
             ranges = self.row_plans[0, window] = _row_ranges(keys.shape[2] - size, size, window, self.tree(0))
-        # the layer's whole buffers where it has them: contiguous whatever the number of kv heads
-        keys, values = kv_cache.buffers(cache.layers[layer_idx]) or (keys[0].contiguous(), values[0].contiguous())
-        out = native(query, keys, values, *ranges, scaling, softcap or 0.0)  # [rows, heads, head_dim]
+        out = native(query, _rows_packed(keys[0]), _rows_packed(values[0]), *ranges, scaling, softcap or 0.0)
         return out.view(size, -1)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -270,7 +268,7 @@ def _rows_alone(query, keys, values, window, tree, kwargs, plans: dict | None = 
             if plans is not None:
                 plans[key] = ranges
         lo, hi, index, count = ranges
-        out = native(query[0].transpose(0, 1).contiguous(), keys[0].contiguous(), values[0].contiguous(),
+        out = native(query[0].transpose(0, 1).contiguous(), _rows_packed(keys[0]), _rows_packed(values[0]),
                      lo, hi, index, count,
                      float(kwargs.get("scaling") or query.shape[-1] ** -0.5), float(kwargs.get("softcap") or 0.0))
         return out[None]  # [1, n, heads, head_dim]
@@ -286,6 +284,12 @@ def _rows_alone(query, keys, values, window, tree, kwargs, plans: dict | None = 
             k, v = k[:, :, -window:], v[:, :, -window:]
         outputs.append(_attend_one(query[:, :, row : row + 1], k, v, kwargs))
     return torch.cat(outputs, dim=1)
+
+
+def _rows_packed(t: torch.Tensor) -> torch.Tensor:
+    """t [kv_heads, positions, head_dim] as the native row attention reads it: each head's positions
+    contiguous (a cache buffer's view already is; anything else is copied)."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 def _row_ranges(cached: int, size: int, window: int | None, tree) -> tuple[torch.Tensor, ...]:

@@ -41,6 +41,13 @@ def test_each_row_attends_over_its_range_then_its_extra_keys(native, kv_heads) -
     for row in range(4):
         index = torch.cat([torch.arange(int(lo[row]), int(hi[row])), extra[row, : int(count[row])]])
         torch.testing.assert_close(out[row], _plain(query[row], keys, values, index, dim**-0.5), rtol=1e-5, atol=1e-5)
+    # the same keys as views of a longer cache buffer (kv heads apart by its capacity): read in place, same bits
+    buffer_keys = torch.zeros(2, kv_heads, positions + 24, dim)  # [batch, kv_heads, capacity, dim]
+    buffer_values = torch.zeros_like(buffer_keys)
+    buffer_keys[0, :, :positions], buffer_values[0, :, :positions] = keys, values
+    views = buffer_keys[0, :, :positions], buffer_values[0, :, :positions]
+    assert kv_heads == 1 or not views[0].is_contiguous()
+    assert torch.equal(native(query, *views, lo, hi, extra, count, dim**-0.5, 0.0), out)
 
 
 def test_bad_ranges_are_refused(native) -> None:

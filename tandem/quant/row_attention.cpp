@@ -27,8 +27,11 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& keys, const 
                          const at::Tensor& hi, const at::Tensor& extra, const at::Tensor& count, double scale,
                          double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: [rows, heads, dim] float32");
-  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kFloat && keys.is_contiguous(), "keys: [kv_heads, positions, dim] float32");
-  TORCH_CHECK(values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat && values.is_contiguous(), "values like keys");
+  // keys/values may be views of a longer cache buffer: each kv head's [positions, dim] contiguous, the heads
+  // at any stride (no copy of the cache per call).
+  auto rows_packed = [](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kFloat && rows_packed(keys), "keys: [kv_heads, positions, dim] float32, each head's positions contiguous");
+  TORCH_CHECK(values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat && rows_packed(values), "values like keys");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = keys.size(0), positions = keys.size(1);
   TORCH_CHECK(keys.size(2) == dim && heads % kv_heads == 0 && dim % V == 0, "heads and dims must match (dim a multiple of ", V, ")");
@@ -69,7 +72,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& keys, const 
       for (int64_t j = 0; j < cp[r]; ++j) index[contiguous + j] = ep[r * width + j];
       weights.assign(per * padded, -INFINITY);
       const float* q0 = qp + (r * heads + kvh * group + first) * dim;  // the task's query heads, one after another
-      const float* kbase = kp + kvh * positions * dim;
+      const float* kbase = kp + kvh * keys.stride(0);
       for (int64_t j = 0; j < n; ++j) {
         const float* k = kbase + index[j] * dim;
         for (int64_t g = 0; g < per; ++g) sums[g] = vf{};
@@ -99,7 +102,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& keys, const 
         for (int64_t j = 0; j < n; ++j) w[j] *= inverse;
       }
       for (auto& a : acc) a = vf{};
-      const float* vbase = vp + kvh * positions * dim;
+      const float* vbase = vp + kvh * values.stride(0);
       for (int64_t j = 0; j < n; ++j) {
         const float* v = vbase + index[j] * dim;
         for (int64_t c = 0; c < chunks; ++c) {
