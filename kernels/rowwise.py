@@ -23,6 +23,8 @@ generators differ).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels.reference.sampling import draw_uniforms, is_greedy, target_probs
@@ -34,14 +36,36 @@ def token_draws(batch: int, vocab_size: int, generator: torch.Generator) -> torc
     return draw_uniforms((batch, 1), generator)
 
 
-def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Token i with probability ``weights[i] / weights.sum()``.
+def draw(weights: torch.Tensor, uniform: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Token i with probability ``weights[i] / weights.sum()``; from ``fallback`` when the weights
+    sum to 0 (a residual ``p - q`` that float rounding emptied).
 
-    weights: [vocab] float >= 0, some > 0; uniform: [1] on (0, 1]. Returns a [] int64 tensor."""
-    cumulative = weights.double().cumsum(0)  # [vocab]
-    point = uniform.double() * cumulative[-1]  # [1] in (0, total]
-    index = torch.searchsorted(cumulative, point)  # [1]: the first i with c_i >= point
-    return index[0].clamp(max=weights.shape[0] - 1)
+    weights: [vocab] float >= 0; uniform: [1] on (0, 1]. Returns a [] int64 tensor.
+
+    The cumulative weights are summed on two levels, in float64: over chunks of about sqrt(vocab)
+    ids, then inside the one chunk the point ``u * total`` falls in (a cumsum over all 262,144 ids
+    cost more than the softmax before it). Token i is drawn when ``c_{i-1} < point <= c_i``, the
+    chunk's and the token's bounds alike, so a token of weight 0 never is: its bound equals the one
+    before it, which takes the point first."""
+    vocab = weights.shape[0]
+    chunk = math.isqrt(max(vocab - 1, 0)) + 1  # ceil(sqrt(vocab))
+    whole = vocab // chunk * chunk
+    sums = weights[:whole].reshape(-1, chunk).sum(1, dtype=torch.float64)  # [vocab // chunk]
+    if whole < vocab:
+        sums = torch.cat([sums, weights[whole:].sum(0, dtype=torch.float64)[None]])  # [chunks]
+    cumulative = sums.cumsum(0)  # [chunks]
+    if not float(cumulative[-1]) > 0:
+        if fallback is None:
+            raise ValueError("draw needs some weight above 0")
+        return draw(fallback, uniform)
+    point = uniform.double()[:1] * cumulative[-1]  # [1] in (0, total]
+    c = min(int(torch.searchsorted(cumulative, point)), len(sums) - 1)  # the first chunk whose bound reaches it
+    start = c * chunk
+    inner = weights[start : start + chunk].double().cumsum(0)  # [<= chunk]
+    # Above 0 (the chunk before ends below the point) and at most the chunk's own sum, which its
+    # cumsum may round a little under the chunks' bound.
+    within = (point - cumulative[c - 1] if c else point).clamp(max=float(inner[-1]))  # [1]
+    return torch.tensor(start + min(int(torch.searchsorted(inner, within)), len(inner) - 1))
 
 
 def verify_chain(
@@ -109,7 +133,7 @@ def _sampled_chain(
         q_row = torch.zeros_like(p).index_add_(0, q_ids[j], q_probs[j].float())  # [vocab]
         residual = (p - q_row).clamp_min(0.0)  # [vocab]
         # p == q on this row leaves nothing, where a rejection has probability 0 (float rounding only).
-        return j, int(draw(residual if bool((residual > 0).any()) else p, uniform))
+        return j, int(draw(residual, uniform, fallback=p))
     raise AssertionError("unreachable")
 
 

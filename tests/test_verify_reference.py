@@ -327,6 +327,27 @@ def test_rowwise_draw_and_sample_tokens_draw_p() -> None:
     assert int(rowwise.draw(weights, torch.tensor([1e-12]))) == 1
 
 
+def test_rowwise_draw_across_chunks_never_takes_a_token_of_weight_zero() -> None:
+    """``draw`` sums chunks of ~sqrt(vocab) ids, then inside one: 30 ids are chunks of 6, whole
+    chunks of zeros, zeros at chunk edges and a short tail included."""
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.rand(30, generator=generator)
+    weights[[0, 5, 6, 11, 12, 13, 14, 15, 16, 17, 29]] = 0.0  # chunk [12, 18) empty, edges zero
+    n = 20_000
+    drawn = torch.stack([rowwise.draw(weights, u) for u in draw_uniforms((n, 1), generator)])
+    _assert_distributed_as(drawn, weights / weights.sum(), "rowwise.draw over chunks")
+    # Points on every bound between tokens, and on either side of it: never a zero-weight token.
+    bounds = weights.double().cumsum(0) / weights.double().sum()
+    points = torch.cat([bounds, bounds * (1 - 1e-12), (bounds * (1 + 1e-12)).clamp(max=1.0)])
+    for u in points[points > 0]:  # uniforms lie in (0, 1]
+        assert float(weights[int(rowwise.draw(weights, u[None].float()))]) > 0
+    # Nothing left to draw from: the fallback's distribution (a residual p - q that rounding emptied).
+    fallback = torch.tensor([0.0, 1.0, 0.0, 3.0])
+    assert {int(rowwise.draw(torch.zeros(4), u, fallback=fallback)) for u in draw_uniforms((200, 1), generator)} == {1, 3}
+    with pytest.raises(ValueError):
+        rowwise.draw(torch.zeros(4), torch.tensor([0.5]))
+
+
 def test_rowwise_accepts_as_the_reference_given_the_same_uniforms() -> None:
     """Acceptance is the same test on the same p: with the same uniforms the twin accepts the same
     drafts in every row; greedy rows commit the same tokens; only the drawn token's randomness differs."""
