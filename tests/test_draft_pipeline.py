@@ -421,9 +421,11 @@ async def test_the_loop_measures_the_hop_to_its_target_and_prices_blocks_with_it
 
 
 async def test_sessions_pipelined_across_a_slow_hop_are_lossless_and_interleave_on_the_target(target):
-    """Three sessions at once through a draft whose hop to the target is 5 ms each way (the
+    """Three sessions at once through a draft whose hop to the target is 20 ms each way (the
     bench's delaying proxy): the measured hop makes the draft send blocks ahead; the target takes
-    the sessions' blocks interleaved on their streams; each output is the target's."""
+    the sessions' blocks interleaved on their streams; each output is the target's. The hop is long
+    enough that blocks ahead pay even when a busy host makes proposing them cost milliseconds (at
+    5 ms a way, a proposal ahead timed at 4.9 ms on a loaded 2-core host outweighed the saving)."""
     import asyncio
 
     import grpc
@@ -438,8 +440,8 @@ async def test_sessions_pipelined_across_a_slow_hop_are_lossless_and_interleave_
 
     n = 32
     served = await start_target(TargetEngine(target))
-    proxy = await DelayProxy(f"127.0.0.1:{served.port}", delay_s=0.005).start()
-    # Prompt lookup: its proposals cost next to nothing beside a 10 ms round trip, so they pay.
+    proxy = await DelayProxy(f"127.0.0.1:{served.port}", delay_s=0.02).start()
+    # Prompt lookup: its proposals cost next to nothing beside a 40 ms round trip, so they pay.
     drafting = await start_draft(lambda info: NgramProposer(), proxy.address, num_speculative_tokens=3,
                                  target_wait_s=10, pipeline_depth=2, pipeline_hedges=3)
     try:
