@@ -66,4 +66,62 @@ def test_where_the_window_cannot_decide_the_full_sort_does(case: str) -> None:
     windowed, whole = _both(scaled, top_p, top_k)
     assert windowed is None
     truncate_p = (top_p > 0) & (top_p < 1)
-    assert torch.equal(sampling._truncated_softmax(scaled, top_p, top_k, truncate_p), whole)
+    got = sampling._truncated_softmax(scaled, top_p, top_k, truncate_p)
+    if bool(truncate_p.all()) and not bool((top_k > 0).any()):  # top-p alone: buckets, not a sort
+        _assert_same_cut(got[0, 0], whole[0, 0], scaled[0, 0], float(top_p[0]))
+    else:
+        assert torch.equal(got, whole)
+
+
+def test_top_p_alone_takes_the_buckets_and_the_window_serves_top_k(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(sampling, "_bucketed_top_p", lambda *a: calls.append("buckets") or sampling._sorted_truncation(
+        a[0], a[1], torch.zeros_like(a[1], dtype=torch.long), torch.ones_like(a[1], dtype=torch.bool)))
+    scaled = _peaked(2, 1, seed=3)
+    sampling.target_probs(scaled, torch.ones(2), torch.tensor([0.9, 0.8]), torch.tensor([0, 0]))
+    assert calls == ["buckets"]
+    sampling.target_probs(scaled, torch.ones(2), torch.tensor([0.9, 0.8]), torch.tensor([0, 40]))  # a top-k row
+    sampling.target_probs(scaled, torch.ones(2), torch.tensor([0.9, 1.0]), torch.tensor([0, 0]))  # a row without top-p
+    assert calls == ["buckets"]
+
+
+def _ties_and_holes(vocab: int, seed: int) -> torch.Tensor:
+    """Logits on a coarse grid (many exact ties, as in bfloat16) with a few -inf entries."""
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.randint(-40, 8, (vocab,), generator=generator).float() / 8
+    row[torch.randint(0, vocab, (5,), generator=generator)] = float("-inf")
+    return row
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("kind", ["flat", "wide", "peaked", "ties and -inf", "all equal"])
+def test_buckets_keep_what_the_sort_keeps(kind: str, top_p: float) -> None:
+    """Top-p alone past the window: the buckets' cut against the full sort, ties at the cut
+    included (broken by the lower id), on rows of every shape."""
+    generator = torch.Generator().manual_seed(int(top_p * 1000))
+    scaled = {
+        "flat": lambda: torch.randn(2, 2, VOCAB, generator=generator) * 0.1,
+        "wide": lambda: torch.randn(2, 2, VOCAB, generator=generator) * 3,
+        "peaked": lambda: _peaked(2, 2, seed=int(top_p * 100)),
+        "ties and -inf": lambda: torch.stack([_ties_and_holes(VOCAB, s) for s in range(4)]).reshape(2, 2, VOCAB),
+        "all equal": lambda: torch.zeros(2, 2, VOCAB),
+    }[kind]()
+    top_ps = torch.tensor([top_p, top_p / 2])
+    bucketed = sampling._bucketed_top_p(scaled, top_ps)
+    whole = sampling._sorted_truncation(scaled, top_ps, torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool))
+    for b in range(2):
+        for i in range(2):
+            _assert_same_cut(bucketed[b, i], whole[b, i], scaled[b, i], float(top_ps[b]))
+
+
+def _assert_same_cut(got: torch.Tensor, expected: torch.Tensor, row: torch.Tensor, top_p: float) -> None:
+    """The same kept tokens, except where the exact mass before a token lies within float32
+    rounding of top_p (the sort sums float32 probabilities, which drift by ~3e-5 over 10,000 kept
+    tokens; the buckets sum float64 weights), and the same probabilities otherwise."""
+    values, order = row.double().sort(descending=True, stable=True)  # [vocab] the full sort's order
+    weights = torch.exp(values - values[0])  # [vocab]
+    before = torch.empty_like(weights).scatter_(0, order, (weights.cumsum(0) - weights) / weights.sum())  # [vocab] by id
+    differ = (got > 0) != (expected > 0)  # [vocab]
+    assert bool(((before[differ] - top_p).abs() < 1e-4).all()), f"tokens cut apart: {differ.nonzero().squeeze(1).tolist()}"
+    if not bool(differ.any()):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)

@@ -69,8 +69,11 @@ def _truncated_softmax(
     top_k: torch.Tensor,  # [batch] int
     truncate_p: torch.Tensor,  # [batch] bool, rows where 0 < top_p < 1
 ) -> torch.Tensor:  # [batch, n, vocab]
-    """Top-k then top-p filtering: over the ``WINDOW`` largest logits where the kept tokens lie
-    among them, else with one sort of the vocabulary (the same definition either way)."""
+    """Top-k then top-p filtering: top-p alone by buckets of logits (:func:`_bucketed_top_p`), else
+    over the ``WINDOW`` largest logits where the kept tokens lie among them, else with one sort of
+    the vocabulary (the same definition every way)."""
+    if bool(truncate_p.all()) and not bool((top_k > 0).any()):
+        return _bucketed_top_p(scaled, top_p)
     windowed = _windowed_truncation(scaled, top_p, top_k, truncate_p)
     return windowed if windowed is not None else _sorted_truncation(scaled, top_p, top_k, truncate_p)
 
@@ -123,6 +126,57 @@ def _windowed_truncation(
     probs = probs * keep
     probs = probs / probs.sum(dim=-1, keepdim=True)  # [batch, n, width]
     return torch.zeros_like(scaled).scatter_(-1, ids, probs)  # [batch, n, vocab]
+
+
+BUCKETS = 4096  # buckets of logit values a top-p cut sums before it sorts (see _bucketed_top_p)
+_SPAN = 104.0  # exp(x - max) is 0 in float32 this far below the maximum: such tokens share the last bucket
+
+
+def _bucketed_top_p(
+    scaled: torch.Tensor,  # [batch, n, vocab] float32, temperature applied
+    top_p: torch.Tensor,  # [batch] float, each in (0, 1)
+) -> torch.Tensor:  # [batch, n, vocab]
+    """Top-p filtering (no top-k) without sorting the vocabulary: the usual request that truncates
+    (chat frontends send top_p, rarely top_k). A sort of 262,144 logits costs a 2-core CPU about
+    30 ms, more than the model's pass, and the window of the largest logits (``WINDOW``) needs a
+    topk of its own and cannot decide a flat row, whose top-p set holds tens of thousands of tokens
+    (figures: docs/design-notes.md#top-p-without-a-sort).
+
+    Each row's logits fall into ``BUCKETS`` buckets of equal width below its maximum, the buckets'
+    masses are summed from the top until they reach top_p, and only the bucket where they do is
+    sorted. The bucket of a logit is monotone in it, so a token in a bucket above that one comes
+    before it in the full sort and is kept (the mass before it falls short of top_p), a token in a
+    bucket below comes after the cut, and inside the one bucket the full sort's order (descending,
+    ties by the lower id) decides as :func:`_sorted_truncation` does. The two differ only in float
+    rounding of the masses (here float32 sums per bucket of ``exp(x - max)``, float64 across buckets)."""
+    vocab = scaled.shape[-1]
+    rows = scaled.reshape(-1, vocab)  # [batch * n, vocab]
+    thresholds = top_p.double().repeat_interleave(scaled.shape[1]).tolist()  # [batch * n]
+    if rows.shape[0] == 1:  # the CPU verifier's case: one row at a time
+        return _bucketed_row(rows[0], thresholds[0]).reshape(scaled.shape)
+    return torch.stack([_bucketed_row(rows[r], thresholds[r]) for r in range(rows.shape[0])]).reshape(scaled.shape)
+
+
+def _bucketed_row(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """x [vocab] float32 -> its top-p distribution [vocab] (see :func:`_bucketed_top_p`)."""
+    top = x.max()
+    weights = (x - top).exp_()  # [vocab], 1 at the top
+    scale = BUCKETS / float((top - x.min()).clamp(min=1e-30, max=_SPAN))
+    # (top - x) * scale in one pass; a NaN logit (a broken row) goes last rather than out of range.
+    gap = torch.sub(top * scale, x, alpha=scale).nan_to_num_(nan=BUCKETS - 1).clamp_(max=BUCKETS - 1)  # [vocab] >= 0
+    bucket = gap.to(torch.int32)  # [vocab]: the floor, 0 holding the top
+    mass = torch.bincount(bucket, weights=weights, minlength=BUCKETS).double()  # [BUCKETS]
+    cumulative = mass.cumsum(0)  # [BUCKETS]
+    goal = top_p * float(cumulative[-1])
+    cut = min(int(torch.searchsorted(cumulative, torch.tensor([goal], dtype=torch.float64))), BUCKETS - 1)
+    members = (bucket == cut).nonzero().squeeze(1)  # [m] ascending ids
+    members = members[x[members].sort(descending=True, stable=True).indices]  # [m] in the full sort's order
+    inside = weights[members].double()  # [m]
+    before = (float(cumulative[cut - 1]) if cut else 0.0) + inside.cumsum(0) - inside  # [m] mass before each
+    keep = bucket < cut  # [vocab]
+    keep[members[before < goal]] = True
+    kept = weights.masked_fill_(~keep, 0.0)  # [vocab]
+    return kept.div_(kept.sum())
 
 
 def _sorted_truncation(
