@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,9 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         for top_p in args.top_p:
             p = torch.tensor([top_p])
             ways = {
-                "sort": lambda: sampling._sorted_truncation(row, p, no_k, truncate),
-                "window": lambda: sampling._windowed_truncation(row, p, no_k, truncate),
-                "buckets": lambda: sampling._bucketed_top_p(row, p),
+                "sort": partial(sampling._sorted_truncation, row, p, no_k, truncate),
+                "window": partial(sampling._windowed_truncation, row, p, no_k, truncate),
+                "buckets": partial(sampling._bucketed_top_p, row, p),
             }
             times: dict[str, list[float]] = {name: [] for name in ways}
             outs: dict[str, torch.Tensor | None] = {}
