@@ -137,7 +137,7 @@ def _bucketed_top_p(
     top_p: torch.Tensor,  # [batch] float, each in (0, 1)
 ) -> torch.Tensor:  # [batch, n, vocab]
     """Top-p filtering (no top-k) without sorting the vocabulary: the usual request that truncates
-    (chat frontends send top_p, rarely top_k). A sort of 262,144 logits costs a 2-core CPU about
+    (the OpenAI API has top_p; top_k is an extension). A sort of 262,144 logits costs a 2-core CPU about
     30 ms, more than the model's pass, and the window of the largest logits (``WINDOW``) needs a
     topk of its own and cannot decide a flat row, whose top-p set holds tens of thousands of tokens
     (figures: docs/design-notes.md#top-p-without-a-sort).
