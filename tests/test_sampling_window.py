@@ -82,6 +82,8 @@ def test_top_p_alone_takes_the_buckets_and_the_window_serves_top_k(monkeypatch) 
     assert calls == ["buckets"]
     sampling.target_probs(scaled, torch.ones(2), torch.tensor([0.9, 0.8]), torch.tensor([0, 40]))  # a top-k row
     sampling.target_probs(scaled, torch.ones(2), torch.tensor([0.9, 1.0]), torch.tensor([0, 0]))  # a row without top-p
+    many = sampling.BUCKETED_ROWS + 1  # a batch of rows (a statistical test's, a GPU reference's): batched ops
+    sampling.target_probs(_peaked(many, 1, seed=4), torch.ones(many), torch.full((many,), 0.9), torch.zeros(many, dtype=torch.long))
     assert calls == ["buckets"]
 
 

@@ -69,10 +69,11 @@ def _truncated_softmax(
     top_k: torch.Tensor,  # [batch] int
     truncate_p: torch.Tensor,  # [batch] bool, rows where 0 < top_p < 1
 ) -> torch.Tensor:  # [batch, n, vocab]
-    """Top-k then top-p filtering: top-p alone by buckets of logits (:func:`_bucketed_top_p`), else
+    """Top-k then top-p filtering: top-p alone by buckets of logits (:func:`_bucketed_top_p`; up to
+    ``BUCKETED_ROWS`` rows, as the CPU verifier scores them one at a time), else
     over the ``WINDOW`` largest logits where the kept tokens lie among them, else with one sort of
     the vocabulary (the same definition every way)."""
-    if bool(truncate_p.all()) and not bool((top_k > 0).any()):
+    if scaled.numel() <= BUCKETED_ROWS * scaled.shape[-1] and bool(truncate_p.all()) and not bool((top_k > 0).any()):
         return _bucketed_top_p(scaled, top_p)
     windowed = _windowed_truncation(scaled, top_p, top_k, truncate_p)
     return windowed if windowed is not None else _sorted_truncation(scaled, top_p, top_k, truncate_p)
@@ -129,6 +130,9 @@ def _windowed_truncation(
 
 
 BUCKETS = 4096  # buckets of logit values a top-p cut sums before it sorts (see _bucketed_top_p)
+# Rows a call cuts by buckets, one after another; more (a GPU reference batch, a statistical test's
+# thousands of rows) take the batched window or sort.
+BUCKETED_ROWS = 16
 _SPAN = 104.0  # exp(x - max) is 0 in float32 this far below the maximum: such tokens share the last bucket
 
 
