@@ -209,7 +209,7 @@ class FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "the fake draft broke down")
                 rounds += 1
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled while waiting, or closed at a yield
             self.model.cancelled_speculations.append(request.session_id)
             raise
 
