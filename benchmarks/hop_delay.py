@@ -13,7 +13,13 @@ over request time) of each, the speedup of on over off, on's tokens/s relative t
 mean committed tokens per round, and for pipelined depths the share of blocks sent on an
 assumption that came back stale (``tandem_spec_decode_pipelined_blocks_total``).
 
+``--near-draft ngram`` gives each lane's gateway a second draft, of that kind, that reaches the
+target directly (a draft run beside the target); the gateway places each speculative leg on the
+draft that measured more committed tokens per second (docs/fleet.md#placement), and the table
+adds the share of rounds the near draft served.
+
     python benchmarks/hop_delay.py --delays-ms 0,1,5,20 --depths 1,2 --limit 12 --plot hop.png
+    python benchmarks/hop_delay.py --delays-ms 0,5,20 --depths 1,2 --near-draft ngram
 """
 
 from __future__ import annotations
@@ -60,23 +66,31 @@ class ProxyThread:
 
 @dataclass
 class Lane:
-    """One pipeline depth: its draft (through the proxy) and the gateway in front of it."""
+    """One pipeline depth: its draft (through the proxy), maybe a near draft, and the gateway in front."""
 
     depth: int
     url: str  # the gateway's HTTP
-    metrics_url: str  # the draft's /metrics
+    metrics_url: str  # the far draft's /metrics
+    near_metrics_url: str | None = None  # the near draft's
 
-    def blocks(self) -> tuple[float, float, float]:
-        """(verified rounds, pipelined blocks that held, ones that came back stale) so far."""
-        text = httpx.get(self.metrics_url, timeout=10).text
+    def blocks(self) -> tuple[float, float, float, float]:
+        """(the far draft's verified rounds, its pipelined blocks that held, ones that came back
+        stale, the near draft's verified rounds) so far."""
+        far = _metrics(self.metrics_url)
+        near = _metrics(self.near_metrics_url) if self.near_metrics_url else {}
+        return (far.get("rounds", 0.0), far.get("held", 0.0), far.get("stale", 0.0), near.get("rounds", 0.0))
 
-        def value(pattern: str) -> float:
-            match = re.search(pattern + r"\s+([0-9.e+-]+)", text, re.MULTILINE)
-            return float(match.group(1)) if match else 0.0
 
-        return (value(r"^tandem_spec_decode_num_drafts_total"),
-                value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="verified"\}'),
-                value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="stale"\}'))
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url, timeout=10).text
+
+    def value(pattern: str) -> float:
+        match = re.search(pattern + r"\s+([0-9.e+-]+)", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    return {"rounds": value(r"^tandem_spec_decode_num_drafts_total"),
+            "held": value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="verified"\}'),
+            "stale": value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="stale"\}')}
 
 
 def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -> tuple[list[subprocess.Popen], list[Lane], ProxyThread]:
@@ -92,28 +106,50 @@ def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -
             target_metrics_port=0, log_level="warning", stream_smoothing="off",
             **({"num_speculative_tokens": args.k} if args.k else {}),
         )
+        near_port, near_metrics_port = free_port(), free_port()
+        children = []
         for child in child_commands(settings):
             argv = list(child.argv)
             if child.name.startswith("target"):
                 if index:
                     continue  # one target serves every lane
                 argv += args.target_arg
-            if child.name.startswith("draft"):  # the draft reaches the target through the proxy
-                argv[argv.index("--target-address") + 1] = proxy.proxy.address
-                argv += [f"--pipeline-depth={depth}", *args.draft_arg]
-            name = f"{child.name}-{depth}"
+            if child.name.startswith("draft"):
+                if args.near_draft:  # beside the target: no proxy, its own ports and kind
+                    near = _with(argv, {"--draft-model": args.near_draft, "--port": str(near_port),
+                                        "--metrics-port": str(near_metrics_port)})
+                    children.append(("near-draft", near + [f"--pipeline-depth={depth}"], f"127.0.0.1:{near_port}",
+                                     child.env))
+                # the draft reaches the target through the proxy
+                argv = _with(argv, {"--target-address": proxy.proxy.address}) + [f"--pipeline-depth={depth}",
+                                                                                  *args.draft_arg]
+            if child.name == "gateway" and args.near_draft:
+                far = argv[argv.index("--draft-address") + 1]
+                argv = _with(argv, {"--draft-address": f"{far},127.0.0.1:{near_port}"})
+            children.append((child.name, argv, child.health_address, child.env))
+        for child_name, argv, health_address, child_env in children:
+            name = f"{child_name}-{depth}"
             with open(log_dir / f"{name}.log", "w") as log:
                 processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                  env={**env, **child.env}, start_new_session=True))
+                                                  env={**env, **child_env}, start_new_session=True))
             deadline = time.monotonic() + args.ready_timeout_s
-            while not is_serving(child.health_address, timeout=1.0):
+            while not is_serving(health_address, timeout=1.0):
                 if processes[-1].poll() is not None or time.monotonic() > deadline:
                     stop(processes)
                     raise SystemExit(f"{name} did not start: {(log_dir / f'{name}.log').read_text()[-2000:]}")
                 time.sleep(0.5)
         lanes.append(Lane(depth, f"http://127.0.0.1:{settings.http_port}",
-                          f"http://127.0.0.1:{settings.draft_metrics_port}/metrics"))
+                          f"http://127.0.0.1:{settings.draft_metrics_port}/metrics",
+                          f"http://127.0.0.1:{near_metrics_port}/metrics" if args.near_draft else None))
     return processes, lanes, proxy
+
+
+def _with(argv: list[str], values: dict[str, str]) -> list[str]:
+    """``argv`` with the values of the given flags replaced."""
+    out = list(argv)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -131,7 +167,7 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
     # (lane index or -1, mode): on through every lane, off once, auto through the last lane.
     runs = [*((i, SPECULATIVE) for i in range(len(depths))), (len(depths) - 1, AUTOREGRESSIVE), (len(depths) - 1, AUTO)]
     results: dict[tuple[float, int, str], list] = {(d, i, m): [] for d in delays for i, m in runs}
-    blocks = {(d, i): [0.0, 0.0, 0.0] for d in delays for i in range(len(depths))}
+    blocks = {(d, i): [0.0, 0.0, 0.0, 0.0] for d in delays for i in range(len(depths))}
     with tempfile.TemporaryDirectory() as folder:
         processes, lanes, proxy = start_services(args, depths, Path(folder))
         try:
@@ -148,7 +184,7 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
                             results[(delay, i, mode)].append(run_one(client, lanes[i].url, prompt, mode, options, index))
                             if before is not None:
                                 after = lanes[i].blocks()
-                                for j in range(3):
+                                for j in range(4):
                                     blocks[(delay, i)][j] += after[j] - before[j]
                     print(f"delay {delay:g} ms done", file=sys.stderr, flush=True)
         finally:
@@ -161,7 +197,7 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
         for i, depth in enumerate(depths):
             on = summarize(results[(delay, i, SPECULATIVE)])
             base = summarize(results[(delays[0], i, SPECULATIVE)]).tokens_per_s
-            rounds, held, stale = blocks[(delay, i)]
+            rounds, held, stale, near_rounds = blocks[(delay, i)]
             rows.append({
                 "delay_ms": delay, "depth": depth, "speculative_tokens_per_s": on.tokens_per_s,
                 "autoregressive_tokens_per_s": off.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
@@ -169,20 +205,23 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
                 "tokens_per_round": on.mean_accepted_length or 0.0,
                 "pipelined_share": held / rounds if rounds else 0.0,
                 "stale_rate": stale / (held + stale) if held + stale else 0.0,
+                "near_share": near_rounds / (rounds + near_rounds) if rounds + near_rounds else 0.0,
             })
     return rows
 
 
-def print_table(rows: list[dict], depths: list[int]) -> None:
+def print_table(rows: list[dict], depths: list[int], near: bool = False) -> None:
     print("| one-way delay (ms) | depth | on (tok/s) | off (tok/s) | auto, depth "
-          f"{depths[-1]} (tok/s) | on / off | on vs 0 ms | tokens/round | rounds pipelined | stale rate |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"{depths[-1]} (tok/s) | on / off | on vs 0 ms | tokens/round | rounds pipelined | stale rate |"
+          + (" rounds on the near draft |" if near else ""))
+    print("| --- " * (11 if near else 10) + "|")
     for row in rows:
         pipelined = row["depth"] > 1
         print(f"| {row['delay_ms']:g} | {row['depth']} | {row['speculative_tokens_per_s']:.1f} | "
               f"{row['autoregressive_tokens_per_s']:.1f} | {row['auto_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
               f"{row['speculative_vs_no_delay']:.2f}x | {row['tokens_per_round']:.2f} | "
-              + (f"{row['pipelined_share']:.0%} | {row['stale_rate']:.0%} |" if pipelined else "- | - |"))
+              + (f"{row['pipelined_share']:.0%} | {row['stale_rate']:.0%} |" if pipelined else "- | - |")
+              + (f" {row['near_share']:.0%} |" if near else ""))
 
 
 def plot(rows: list[dict], depths: list[int], path: str) -> None:
@@ -212,7 +251,7 @@ def main(args: argparse.Namespace) -> None:
     delays = [float(d) for d in args.delays_ms.split(",")]
     depths = [int(d) for d in args.depths.split(",")]
     rows = measure(args, delays, depths)
-    print_table(rows, depths)
+    print_table(rows, depths, bool(args.near_draft))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
     if args.plot:
@@ -231,6 +270,8 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured prompts at each delay")
     parser.add_argument("--ready-timeout-s", type=float, default=600)
+    parser.add_argument("--near-draft", default=None, metavar="DRAFT_MODEL",
+                        help="also a draft of this kind (e.g. ngram) beside the target, in every gateway's pool")
     parser.add_argument("--draft-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for every draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")
     parser.add_argument("--target-arg", action="append", default=[], metavar="ARG",

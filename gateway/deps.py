@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.adaptive import AdaptiveConfig, StepTimer
 from gateway.counters import SessionCounters
+from gateway.draft_speeds import DraftSpeeds
 from gateway.pacer import PacerConfig
 from gateway.policy import SpeculationPolicy
 from gateway.pool import Pool
@@ -85,6 +86,8 @@ class GenerationDeps:
     background: BackgroundTasks = field(default_factory=BackgroundTasks)
     tuning: SessionTuning = field(default_factory=SessionTuning)
     step_timer: StepTimer = field(default_factory=StepTimer)
+    # What each draft's legs committed per second, by target: where the next leg goes.
+    draft_speeds: DraftSpeeds = field(default_factory=DraftSpeeds)
     # Sessions in progress, Prefill calls in flight, the last draft message: what every
     # generation reports (built from ``metrics``, whose session gauges it keeps).
     counters: SessionCounters = field(init=False)

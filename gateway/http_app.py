@@ -134,6 +134,8 @@ def create_app(core: GatewayCore) -> FastAPI:
             "target": core.monitor.targets.to_json(),
             "draft": core.monitor.drafts.to_json(),
         }
+        for member in body["draft"]["members"]:  # what placement goes by: tokens/s by target
+            member["tokens_per_s"] = core.deps.draft_speeds.to_json(member["address"])
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", dependencies=keyed if core.metrics_auth else [])

@@ -7,8 +7,10 @@ unless the target is busy (:meth:`gateway.deps.GenerationDeps.draft_silence_expl
 longer than ``draft_stall_cap_factor`` times that. An autoregressive leg right after a draft
 failure checks that the target is in step with the client and asks for a resync if not.
 
-Each speculative leg is placed on the least-loaded draft of the pool (:mod:`gateway.pool`) and
-names the session's target in its ``Speculate`` call. Either kind of leg that hears nothing for
+Each speculative leg is placed on a draft of the pool (:mod:`gateway.pool`): among those that
+have committed the most tokens per second for the session's target (:mod:`gateway.draft_speeds`,
+to which each leg that did not fail reports), the least loaded; its ``Speculate`` call names
+the session's target. Either kind of leg that hears nothing for
 ``target_timeout_s`` asks the session's target for its health; a target that does not answer is
 lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
 one whose connection drops, directly or under the draft.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from gateway import wire
@@ -31,8 +34,8 @@ from gateway.deps import GenerationDeps
 from gateway.errors import GatewayError, TargetLost, UpstreamUnavailable
 from gateway.legs import DraftLegFailed, classify_draft_error, timed
 from gateway.output import Output
-from gateway.pool import Member
 from gateway.policy import Mode
+from gateway.pool import Member
 from gateway.request import GenerationRequest, Speculation
 from gateway.target_session import Resync, TargetSession
 from gateway.types import Batch
@@ -64,15 +67,27 @@ class LegReader:
     async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
         deps = self._deps
         # A session that insists on speculation tries a draft even when none is known to serve.
-        placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON)
+        target = self._session.address
+        placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON,
+                                      prefer=partial(deps.draft_speeds.choose, target=target))
         if placement is None:
             error = UpstreamUnavailable(deps.drafts.unavailable(), code="upstream_unavailable")
             raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
+        deps.draft_speeds.placed(placement.address, target)
+        started = last = time.monotonic()
+        committed, measured = 0, False
         try:
             async for batch in self._speculate(leg, controller, placement.member):
+                committed, last = committed + len(batch.token_ids), time.monotonic()
                 yield batch
+            measured = True
+        except GeneratorExit:  # closed at a yield: the session finished (or its client left)
+            measured = True
+            raise
         finally:
             placement.close()
+            if measured:  # a leg that failed does not measure its draft's speed (the breaker hears of it)
+                deps.draft_speeds.observe(placement.address, target, committed, last - started)
 
     async def _speculate(self, leg: Leg, controller: SessionController, draft: Member[Any]) -> AsyncIterator[Batch]:
         stream = self._stream = draft.client.speculate(self._speculate_request(leg.max_new_tokens))

@@ -9,7 +9,9 @@ back). A draft member is usable only while its circuit breaker allows speculatio
 
 Placement: a new session goes to the usable member with the least load: the sessions this gateway
 placed there, those of other gateways (what the member last reported beyond this gateway's own),
-and its queued passes; ties go round-robin. A target session stays on its member until it ends or the
+and its queued passes; ties go round-robin. A caller may first narrow the members by what it
+measured (speculative legs go to the drafts that commit the most tokens per second for their
+target: :mod:`gateway.draft_speeds`). A target session stays on its member until it ends or the
 member fails; a draft serves one leg at a time, so every speculative leg is placed anew.
 
 Invariant: ``Member.sessions`` counts exactly the :class:`Placement` objects not yet closed; a
@@ -180,16 +182,21 @@ class Pool(Generic[U]):
     def usable(self) -> list[Member[U]]:
         return [m for m in self.members.values() if m.usable]
 
-    def place(self, avoid: frozenset[str] = frozenset(), anyhow: bool = False) -> Placement[U] | None:
+    def place(self, avoid: frozenset[str] = frozenset(), anyhow: bool = False,
+              prefer: Callable[[list[Member[U]]], list[Member[U]]] | None = None) -> Placement[U] | None:
         """A placement on the least-loaded usable member not in ``avoid`` (addresses), else on
         any usable member. With none usable, a member that answers its health check but was
         found unfit (another tokenizer) gets it, so that its refusal reaches the client rather
         than a vague "unavailable". ``anyhow``: failing all that, any member (a call the client
-        insists on, e.g. ``speculation: "on"``). None when there is no such member either."""
+        insists on, e.g. ``speculation: "on"``). ``prefer``: narrows those members before the
+        least-load rule (drafts: the measured fastest, :mod:`gateway.draft_speeds`). None when
+        there is no such member either."""
         candidates = self._candidates() or ([m for m in self.members.values() if not m.leaving] if anyhow else [])
         preferred = [m for m in candidates if m.address not in avoid] or candidates
         if not preferred:
             return None
+        if prefer is not None:
+            preferred = prefer(preferred) or preferred
         turn = next(self._turn)
         order = {m.address: (i - turn) % len(preferred) for i, m in enumerate(preferred)}
         return Placement(min(preferred, key=lambda m: (m.load, order[m.address])), self.on_sessions)

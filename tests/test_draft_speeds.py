@@ -1,0 +1,123 @@
+"""Placement of speculative legs by measured speed (gateway.draft_speeds): the rules alone, then
+with in-memory drafts of different speeds behind real generations (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+from gateway_fakes import InMemoryDraft, InMemoryTarget, ScriptedModel, tokenizer  # noqa: F401  (fixture)
+from test_fleet_failover import make_deps, make_request, run
+
+from gateway.draft_speeds import DraftSpeeds
+from gateway.pool import Pool
+from gateway.request import Speculation
+
+
+@dataclass
+class Draft:
+    address: str
+
+
+A, B, C = Draft("a:1"), Draft("b:1"), Draft("c:1")
+
+
+def explored(speeds: DraftSpeeds, drafts: list[Draft], target: str = "t:1") -> None:
+    """Places one leg on each draft in turn (the first legs of a target explore every draft)."""
+    for i, draft in enumerate(drafts):
+        assert speeds.choose(drafts, target) == drafts[i:]  # those never placed, none measured
+        speeds.placed(draft.address, target)
+
+
+def test_unknown_drafts_are_tried_first_then_the_fastest_takes_the_legs():
+    speeds = DraftSpeeds(explore_every=4)
+    drafts = [A, B]
+    assert speeds.choose(drafts, "t:1") == drafts  # nothing known: both, least load decides
+    explored(speeds, drafts)
+    # Placed but not measured yet: neither is known, so both stay candidates.
+    assert speeds.choose(drafts, "t:1") == drafts
+    speeds.observe("a:1", "t:1", tokens=30, seconds=1.0)
+    assert speeds.choose(drafts, "t:1") == [A]  # b:1 is pending: legs do not pile onto it
+    speeds.observe("b:1", "t:1", tokens=60, seconds=1.0)
+    assert speeds.choose(drafts, "t:1") == [B]
+    assert speeds.to_json("b:1") == {"t:1": 60.0} and speeds.rate("a:1", "t:1") == 30.0
+
+
+def test_drafts_within_the_tie_margin_are_equal_so_load_decides():
+    speeds = DraftSpeeds(tie=0.05)
+    explored(speeds, [A, B, C])
+    for draft, rate in ((A, 100.0), (B, 96.0), (C, 90.0)):
+        speeds.observe(draft.address, "t:1", tokens=int(rate), seconds=1.0)
+    assert speeds.choose([A, B, C], "t:1") == [A, B]
+
+
+def test_a_draft_left_out_is_explored_again_after_explore_every_legs():
+    speeds = DraftSpeeds(explore_every=5)
+    explored(speeds, [A, B])
+    speeds.observe("a:1", "t:1", 10, 1.0)
+    speeds.observe("b:1", "t:1", 50, 1.0)
+    chosen = []
+    for _ in range(12):
+        (draft,) = speeds.choose([A, B], "t:1")
+        speeds.placed(draft.address, "t:1")
+        chosen.append(draft.address)
+    # b:1 is the fastest; a:1 gets one leg once it has gone 5 legs without one.
+    assert chosen.count("a:1") == 2 and chosen[4] == "a:1" and chosen[10] == "a:1"
+
+
+def test_speeds_are_kept_per_target_and_averaged_over_legs():
+    speeds = DraftSpeeds(alpha=0.5)
+    explored(speeds, [A, B], "t:1")
+    explored(speeds, [A, B], "u:1")
+    speeds.observe("a:1", "t:1", 10, 1.0)
+    speeds.observe("b:1", "t:1", 20, 1.0)
+    speeds.observe("a:1", "u:1", 40, 1.0)
+    speeds.observe("b:1", "u:1", 20, 1.0)
+    assert speeds.choose([A, B], "t:1") == [B] and speeds.choose([A, B], "u:1") == [A]
+    speeds.observe("b:1", "t:1", 0, 1.0)  # a leg that committed nothing says nothing
+    speeds.observe("b:1", "t:1", 40, 1.0)
+    assert speeds.rate("b:1", "t:1") == 30.0
+
+
+def test_one_candidate_is_always_chosen_and_bad_settings_are_refused():
+    speeds = DraftSpeeds()
+    assert speeds.choose([A], "t:1") == [A] and speeds.choose([], "t:1") == []
+    with pytest.raises(ValueError):
+        DraftSpeeds(tie=1.0)
+
+
+def test_the_pool_places_among_the_preferred_members_by_load():
+    pool = Pool.of("draft", {"a:1": "A", "b:1": "B", "c:1": "C"})
+    pool.members["b:1"].sessions = 2
+    prefer = lambda members: [m for m in members if m.address != "a:1"]
+    assert pool.place(prefer=prefer).address == "c:1"
+    assert pool.place(prefer=lambda members: []).address == "a:1"  # an empty preference is ignored
+
+
+class SlowDraft(InMemoryDraft):
+    """A draft whose every round takes ``delay_s`` longer (a far draft: each round crosses a hop)."""
+
+    def __init__(self, model: ScriptedModel, delay_s: float) -> None:
+        super().__init__(model)
+        self.delay_s = delay_s
+
+    async def _rounds(self, request):
+        async for message in super()._rounds(request):
+            await asyncio.sleep(self.delay_s)
+            yield message
+
+
+async def test_legs_go_to_the_draft_that_commits_faster_and_the_output_is_unchanged(tokenizer):
+    model = ScriptedModel(tokenizer)
+    near, far = SlowDraft(model, 0.0), SlowDraft(model, 0.02)
+    deps = make_deps(tokenizer, {"t:1": InMemoryTarget(model)}, {"far:1": far, "near:1": near})
+    deps.drafts.members["near:1"].sessions = 1  # least load alone would send every leg to far:1
+    request = make_request(tokenizer, Speculation.ON)
+    for _ in range(6):
+        tokens, finished = await run(deps, request)
+        assert tokens == model.expected_tokens(40, ignore_eos=True) and finished.finish_reason == "length"
+    rates = deps.draft_speeds
+    assert rates.rate("near:1", "t:1") > rates.rate("far:1", "t:1")
+    # The far draft had the first leg (least load) and no other: the near one measured faster.
+    assert len(far.streams) == 1 and len(near.streams) >= 5
