@@ -13,13 +13,14 @@ over request time) of each, the speedup of on over off, on's tokens/s relative t
 mean committed tokens per round, and for pipelined depths the share of blocks sent on an
 assumption that came back stale (``tandem_spec_decode_pipelined_blocks_total``).
 
-``--near-draft ngram`` gives each lane's gateway a second draft, of that kind, that reaches the
-target directly (a draft run beside the target); the gateway places each speculative leg on the
-draft that measured more committed tokens per second (docs/fleet.md#placement), and the table
-adds the share of rounds the near draft served.
+A lane written ``2+near`` (``--depths 1,2,2+near``) gives its gateway a second draft, of the
+kind ``--near-draft`` names (default ``ngram``), that reaches the target directly (a draft run
+beside the target); the gateway places each speculative leg on the draft that measured more
+committed tokens per second (docs/fleet.md#placement), and the table adds the share of rounds the
+near draft served.
 
     python benchmarks/hop_delay.py --delays-ms 0,1,5,20 --depths 1,2 --limit 12 --plot hop.png
-    python benchmarks/hop_delay.py --delays-ms 0,5,20 --depths 1,2 --near-draft ngram
+    python benchmarks/hop_delay.py --delays-ms 0,5,20 --depths 1,2,1+near,2+near
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ProxyThread:
 class Lane:
     """One pipeline depth: its draft (through the proxy), maybe a near draft, and the gateway in front."""
 
+    label: str  # as given in --depths: "2", "2+near"
     depth: int
     url: str  # the gateway's HTTP
     metrics_url: str  # the far draft's /metrics
@@ -93,13 +95,14 @@ def _metrics(url: str) -> dict[str, float]:
             "stale": value(r'tandem_spec_decode_pipelined_blocks_total\{outcome="stale"\}')}
 
 
-def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -> tuple[list[subprocess.Popen], list[Lane], ProxyThread]:
+def start_services(args: argparse.Namespace, depths: list[str], log_dir: Path) -> tuple[list[subprocess.Popen], list[Lane], ProxyThread]:
     target_port = free_port()
     proxy = ProxyThread(f"127.0.0.1:{target_port}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"}
     processes: list[subprocess.Popen] = []
     lanes = []
-    for index, depth in enumerate(depths):
+    for index, label in enumerate(depths):
+        depth, with_near = lane_of(label)
         settings = ServeSettings(
             target_model=args.target_model, draft_model=args.draft_model, http_port=free_port(),
             grpc_port=free_port(), draft_port=free_port(), target_port=target_port, draft_metrics_port=free_port(),
@@ -115,7 +118,7 @@ def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -
                     continue  # one target serves every lane
                 argv += args.target_arg
             if child.name.startswith("draft"):
-                if args.near_draft:  # beside the target: no proxy, its own ports and kind
+                if with_near:  # beside the target: no proxy, its own ports and kind
                     near = _with(argv, {"--draft-model": args.near_draft, "--port": str(near_port),
                                         "--metrics-port": str(near_metrics_port)})
                     children.append(("near-draft", near + [f"--pipeline-depth={depth}"], f"127.0.0.1:{near_port}",
@@ -123,12 +126,12 @@ def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -
                 # the draft reaches the target through the proxy
                 argv = _with(argv, {"--target-address": proxy.proxy.address}) + [f"--pipeline-depth={depth}",
                                                                                   *args.draft_arg]
-            if child.name == "gateway" and args.near_draft:
+            if child.name == "gateway" and with_near:
                 far = argv[argv.index("--draft-address") + 1]
                 argv = _with(argv, {"--draft-address": f"{far},127.0.0.1:{near_port}"})
             children.append((child.name, argv, child.health_address, child.env))
         for child_name, argv, health_address, child_env in children:
-            name = f"{child_name}-{depth}"
+            name = f"{child_name}-{label}"
             with open(log_dir / f"{name}.log", "w") as log:
                 processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                   env={**env, **child_env}, start_new_session=True))
@@ -138,10 +141,18 @@ def start_services(args: argparse.Namespace, depths: list[int], log_dir: Path) -
                     stop(processes)
                     raise SystemExit(f"{name} did not start: {(log_dir / f'{name}.log').read_text()[-2000:]}")
                 time.sleep(0.5)
-        lanes.append(Lane(depth, f"http://127.0.0.1:{settings.http_port}",
+        lanes.append(Lane(label, depth, f"http://127.0.0.1:{settings.http_port}",
                           f"http://127.0.0.1:{settings.draft_metrics_port}/metrics",
-                          f"http://127.0.0.1:{near_metrics_port}/metrics" if args.near_draft else None))
+                          f"http://127.0.0.1:{near_metrics_port}/metrics" if with_near else None))
     return processes, lanes, proxy
+
+
+def lane_of(label: str) -> tuple[int, bool]:
+    """``"2+near"`` -> (2, True): a lane's pipeline depth and whether it has a near draft."""
+    depth, _, near = label.partition("+")
+    if not depth.isdigit() or int(depth) < 1 or near not in ("", "near"):
+        raise SystemExit(f"bad lane {label!r}: a pipeline depth, maybe with '+near' (e.g. 2+near)")
+    return int(depth), near == "near"
 
 
 def _with(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -162,7 +173,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.kill()
 
 
-def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) -> list[dict]:
+def measure(args: argparse.Namespace, delays: list[float], depths: list[str]) -> list[dict]:
     prompts = load_prompts(args.prompts, args.limit)
     # (lane index or -1, mode): on through every lane, off once, auto through the last lane.
     runs = [*((i, SPECULATIVE) for i in range(len(depths))), (len(depths) - 1, AUTOREGRESSIVE), (len(depths) - 1, AUTO)]
@@ -194,12 +205,13 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
     for delay in delays:
         off = summarize(results[(delay, len(depths) - 1, AUTOREGRESSIVE)])
         auto = summarize(results[(delay, len(depths) - 1, AUTO)])
-        for i, depth in enumerate(depths):
+        for i, label in enumerate(depths):
+            depth, with_near = lane_of(label)
             on = summarize(results[(delay, i, SPECULATIVE)])
             base = summarize(results[(delays[0], i, SPECULATIVE)]).tokens_per_s
             rounds, held, stale, near_rounds = blocks[(delay, i)]
             rows.append({
-                "delay_ms": delay, "depth": depth, "speculative_tokens_per_s": on.tokens_per_s,
+                "delay_ms": delay, "lane": label, "depth": depth, "near": with_near, "speculative_tokens_per_s": on.tokens_per_s,
                 "autoregressive_tokens_per_s": off.tokens_per_s, "auto_tokens_per_s": auto.tokens_per_s,
                 "speedup": on.tokens_per_s / off.tokens_per_s, "speculative_vs_no_delay": on.tokens_per_s / base,
                 "tokens_per_round": on.mean_accepted_length or 0.0,
@@ -210,21 +222,21 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[int]) ->
     return rows
 
 
-def print_table(rows: list[dict], depths: list[int], near: bool = False) -> None:
-    print("| one-way delay (ms) | depth | on (tok/s) | off (tok/s) | auto, depth "
+def print_table(rows: list[dict], depths: list[str], near: bool = False) -> None:
+    print("| one-way delay (ms) | lane | on (tok/s) | off (tok/s) | auto, lane "
           f"{depths[-1]} (tok/s) | on / off | on vs 0 ms | tokens/round | rounds pipelined | stale rate |"
           + (" rounds on the near draft |" if near else ""))
     print("| --- " * (11 if near else 10) + "|")
     for row in rows:
         pipelined = row["depth"] > 1
-        print(f"| {row['delay_ms']:g} | {row['depth']} | {row['speculative_tokens_per_s']:.1f} | "
+        print(f"| {row['delay_ms']:g} | {row['lane']} | {row['speculative_tokens_per_s']:.1f} | "
               f"{row['autoregressive_tokens_per_s']:.1f} | {row['auto_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
               f"{row['speculative_vs_no_delay']:.2f}x | {row['tokens_per_round']:.2f} | "
               + (f"{row['pipelined_share']:.0%} | {row['stale_rate']:.0%} |" if pipelined else "- | - |")
               + (f" {row['near_share']:.0%} |" if near else ""))
 
 
-def plot(rows: list[dict], depths: list[int], path: str) -> None:
+def plot(rows: list[dict], depths: list[str], path: str) -> None:
     """Speedup over autoregressive decoding against the one-way delay, a line per depth (and auto)."""
     import matplotlib
 
@@ -232,13 +244,13 @@ def plot(rows: list[dict], depths: list[int], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6.4, 4.0))
-    for depth in depths:
-        mine = [r for r in rows if r["depth"] == depth]
+    for label in depths:
+        mine = [r for r in rows if r["lane"] == label]
         axes.plot([r["delay_ms"] for r in mine], [r["speedup"] for r in mine], marker="o",
-                  label=f"on, --pipeline-depth {depth}")
-    last = [r for r in rows if r["depth"] == depths[-1]]
+                  label=f"on, lane {label}")
+    last = [r for r in rows if r["lane"] == depths[-1]]
     axes.plot([r["delay_ms"] for r in last], [r["auto_tokens_per_s"] / r["autoregressive_tokens_per_s"] for r in last],
-              marker="s", linestyle="--", label=f"auto, depth {depths[-1]}")
+              marker="s", linestyle="--", label=f"auto, lane {depths[-1]}")
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_xlabel("one-way draft-target delay (ms)")
     axes.set_ylabel("tokens/s over autoregressive")
@@ -249,9 +261,11 @@ def plot(rows: list[dict], depths: list[int], path: str) -> None:
 
 def main(args: argparse.Namespace) -> None:
     delays = [float(d) for d in args.delays_ms.split(",")]
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = args.depths.split(",")
+    for label in depths:
+        lane_of(label)  # a bad lane fails here, before anything starts
     rows = measure(args, delays, depths)
-    print_table(rows, depths, bool(args.near_draft))
+    print_table(rows, depths, any(lane_of(label)[1] for label in depths))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
     if args.plot:
@@ -264,14 +278,15 @@ if __name__ == "__main__":
     parser.add_argument("--draft-model", default="auto")
     parser.add_argument("--k", type=int, default=0, help="K (0: tandem's default)")
     parser.add_argument("--delays-ms", default="0,1,5,20", help="one-way delays of the draft-target hop")
-    parser.add_argument("--depths", default="1,2", help="pipeline depths compared (a draft and gateway each)")
+    parser.add_argument("--depths", default="1,2", help="lanes compared (a draft and gateway each): pipeline depths, "
+                        "each maybe with '+near' (a --near-draft beside the target too)")
     parser.add_argument("--prompts", default=None, help="JSONL of {domain, prompt} (default: the bench's set)")
     parser.add_argument("--limit", type=int, default=12, help="prompts (0: all)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured prompts at each delay")
     parser.add_argument("--ready-timeout-s", type=float, default=600)
-    parser.add_argument("--near-draft", default=None, metavar="DRAFT_MODEL",
-                        help="also a draft of this kind (e.g. ngram) beside the target, in every gateway's pool")
+    parser.add_argument("--near-draft", default="ngram", metavar="DRAFT_MODEL",
+                        help="the kind of draft a '+near' lane runs beside the target")
     parser.add_argument("--draft-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for every draft's command line (repeat: --draft-arg=--eagle-k --draft-arg=7)")
     parser.add_argument("--target-arg", action="append", default=[], metavar="ARG",

@@ -8,7 +8,12 @@ none of this. What the gateway can compare is what each leg delivered: its commi
 its wall time, call set-up and the draft's own catch-up included (a leg placed elsewhere pays
 those too). So:
 
-- each (draft, target) pair keeps an exponential average of its legs' committed tokens per second;
+- each (draft, target) pair estimates its committed tokens per second as tokens per round over
+  seconds per round, each averaged over its recent rounds with a half-life of its own: a round's
+  time hardly depends on the prompt (the target's pass, the hop, the draft's proposal and load), so
+  it is averaged briefly and follows a hop or a load that changed; tokens per round depend on how
+  predictable each prompt is, so they are averaged over many prompts (per leg, one prompt's luck
+  would decide where the next legs go);
 - a leg may go to the drafts whose average is within ``tie`` of the best, and the pool's least-load
   rule (:meth:`gateway.pool.Pool.place`) picks among them, so equal drafts share the work as before;
 - exploration: a draft not placed for this target in the last ``explore_every`` legs takes the
@@ -36,21 +41,34 @@ M = TypeVar("M", bound=_Addressed)
 
 @dataclass
 class _Pair:
-    """One draft serving one target."""
+    """One draft serving one target: sums over its rounds, each older round weighing less."""
 
-    rate: float | None = None  # committed tokens per second, exponential average over legs
+    tokens: float = 0.0  # committed tokens ...
+    token_rounds: float = 0.0  # ... over these rounds (the quality half-life)
+    seconds: float = 0.0  # wall time ...
+    second_rounds: float = 0.0  # ... over these rounds (the time half-life)
     legs: int = 0  # legs measured
     placed_at: int = -1  # the target's leg count when a leg last went here (-1: never)
 
+    @property
+    def rate(self) -> float | None:
+        """Committed tokens per second; None before a leg committed anything."""
+        if not (self.tokens and self.seconds):
+            return None
+        return (self.tokens / self.token_rounds) / (self.seconds / self.second_rounds)
+
 
 class DraftSpeeds:
-    def __init__(self, alpha: float = 0.2, tie: float = 0.05, explore_every: int = 16) -> None:
-        """``alpha``: weight of a new leg in the average; ``tie``: relative shortfall from the best
-        rate within which drafts count as equally fast; ``explore_every``: legs for a target after
-        which a draft not placed in them gets the next one."""
-        if not (0 < alpha <= 1 and 0 <= tie < 1 and explore_every >= 1):
-            raise ValueError("need 0 < alpha <= 1, 0 <= tie < 1 and explore_every >= 1")
-        self.alpha = alpha
+    def __init__(self, time_half_life_rounds: float = 32, quality_half_life_rounds: float = 256,
+                 tie: float = 0.05, explore_every: int = 16) -> None:
+        """``time_half_life_rounds`` / ``quality_half_life_rounds``: after how many newer rounds a
+        round counts half in seconds per round / tokens per round; ``tie``: relative shortfall from
+        the best rate within which drafts count as equally fast; ``explore_every``: legs for a
+        target after which a draft not placed in them gets the next one."""
+        if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and 0 <= tie < 1 and explore_every >= 1):
+            raise ValueError("need half-lives > 0, 0 <= tie < 1 and explore_every >= 1")
+        self.time_half_life_rounds = time_half_life_rounds
+        self.quality_half_life_rounds = quality_half_life_rounds
         self.tie = tie
         self.explore_every = explore_every
         self._pairs: dict[tuple[str, str], _Pair] = {}
@@ -67,25 +85,29 @@ class DraftSpeeds:
         if stale:
             oldest = min(pairs[m.address].placed_at for m in stale)
             return [m for m in stale if pairs[m.address].placed_at == oldest]
-        rated = [m for m in candidates if pairs[m.address].rate is not None]
-        if not rated:
+        rates = {m.address: rate for m in candidates if (rate := pairs[m.address].rate) is not None}
+        if not rates:
             return list(candidates)
-        best = max(pairs[m.address].rate or 0.0 for m in rated)
-        return [m for m in rated if (pairs[m.address].rate or 0.0) >= best * (1 - self.tie)]
+        best = max(rates.values())
+        return [m for m in candidates if m.address in rates and rates[m.address] >= best * (1 - self.tie)]
 
     def placed(self, draft: str, target: str) -> None:
         """A leg for a session on ``target`` went to ``draft``."""
         legs = self._legs[target] = self._legs.get(target, 0) + 1
         self._pair(draft, target).placed_at = legs
 
-    def observe(self, draft: str, target: str, tokens: int, seconds: float) -> None:
-        """A leg on ``draft`` for a session on ``target`` committed ``tokens`` in ``seconds``, all
-        of its wall time. Legs that failed or were cut short are not reported."""
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, draft: str, target: str, tokens: int, rounds: int, seconds: float) -> None:
+        """A leg on ``draft`` for a session on ``target`` committed ``tokens`` in ``rounds`` rounds
+        and ``seconds``, all of its wall time. Legs that failed are not reported."""
+        if tokens <= 0 or rounds <= 0 or seconds <= 0:
             return
         pair = self._pair(draft, target)
-        rate = tokens / seconds
-        pair.rate = rate if pair.rate is None else self.alpha * rate + (1 - self.alpha) * pair.rate
+        keep_time = 0.5 ** (rounds / self.time_half_life_rounds)
+        keep_quality = 0.5 ** (rounds / self.quality_half_life_rounds)
+        pair.seconds = pair.seconds * keep_time + seconds
+        pair.second_rounds = pair.second_rounds * keep_time + rounds
+        pair.tokens = pair.tokens * keep_quality + tokens
+        pair.token_rounds = pair.token_rounds * keep_quality + rounds
         pair.legs += 1
 
     def rate(self, draft: str, target: str) -> float | None:

@@ -75,10 +75,12 @@ class LegReader:
             raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
         deps.draft_speeds.placed(placement.address, target)
         started = last = time.monotonic()
-        committed, measured = 0, False
+        committed = rounds = 0
+        measured = False
         try:
             async for batch in self._speculate(leg, controller, placement.member):
-                committed, last = committed + len(batch.token_ids), time.monotonic()
+                if batch.token_ids:
+                    committed, rounds, last = committed + len(batch.token_ids), rounds + 1, time.monotonic()
                 yield batch
             measured = True
         except GeneratorExit:  # closed at a yield: the session finished (or its client left)
@@ -87,7 +89,7 @@ class LegReader:
         finally:
             placement.close()
             if measured:  # a leg that failed does not measure its draft's speed (the breaker hears of it)
-                deps.draft_speeds.observe(placement.address, target, committed, last - started)
+                deps.draft_speeds.observe(placement.address, target, committed, rounds, last - started)
 
     async def _speculate(self, leg: Leg, controller: SessionController, draft: Member[Any]) -> AsyncIterator[Batch]:
         stream = self._stream = draft.client.speculate(self._speculate_request(leg.max_new_tokens))

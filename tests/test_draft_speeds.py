@@ -37,9 +37,9 @@ def test_unknown_drafts_are_tried_first_then_the_fastest_takes_the_legs():
     explored(speeds, drafts)
     # Placed but not measured yet: neither is known, so both stay candidates.
     assert speeds.choose(drafts, "t:1") == drafts
-    speeds.observe("a:1", "t:1", tokens=30, seconds=1.0)
+    speeds.observe("a:1", "t:1", tokens=30, rounds=10, seconds=1.0)
     assert speeds.choose(drafts, "t:1") == [A]  # b:1 is pending: legs do not pile onto it
-    speeds.observe("b:1", "t:1", tokens=60, seconds=1.0)
+    speeds.observe("b:1", "t:1", tokens=60, rounds=10, seconds=1.0)
     assert speeds.choose(drafts, "t:1") == [B]
     assert speeds.to_json("b:1") == {"t:1": 60.0} and speeds.rate("a:1", "t:1") == 30.0
 
@@ -48,15 +48,15 @@ def test_drafts_within_the_tie_margin_are_equal_so_load_decides():
     speeds = DraftSpeeds(tie=0.05)
     explored(speeds, [A, B, C])
     for draft, rate in ((A, 100.0), (B, 96.0), (C, 90.0)):
-        speeds.observe(draft.address, "t:1", tokens=int(rate), seconds=1.0)
+        speeds.observe(draft.address, "t:1", tokens=int(rate), rounds=10, seconds=1.0)
     assert speeds.choose([A, B, C], "t:1") == [A, B]
 
 
 def test_a_draft_left_out_is_explored_again_after_explore_every_legs():
     speeds = DraftSpeeds(explore_every=5)
     explored(speeds, [A, B])
-    speeds.observe("a:1", "t:1", 10, 1.0)
-    speeds.observe("b:1", "t:1", 50, 1.0)
+    speeds.observe("a:1", "t:1", 10, 5, 1.0)
+    speeds.observe("b:1", "t:1", 50, 5, 1.0)
     chosen = []
     for _ in range(12):
         (draft,) = speeds.choose([A, B], "t:1")
@@ -66,18 +66,30 @@ def test_a_draft_left_out_is_explored_again_after_explore_every_legs():
     assert chosen.count("a:1") == 2 and chosen[4] == "a:1" and chosen[10] == "a:1"
 
 
-def test_speeds_are_kept_per_target_and_averaged_over_legs():
-    speeds = DraftSpeeds(alpha=0.5)
+def test_speeds_are_kept_per_target():
+    speeds = DraftSpeeds()
     explored(speeds, [A, B], "t:1")
     explored(speeds, [A, B], "u:1")
-    speeds.observe("a:1", "t:1", 10, 1.0)
-    speeds.observe("b:1", "t:1", 20, 1.0)
-    speeds.observe("a:1", "u:1", 40, 1.0)
-    speeds.observe("b:1", "u:1", 20, 1.0)
+    speeds.observe("a:1", "t:1", 10, 5, 1.0)
+    speeds.observe("b:1", "t:1", 20, 5, 1.0)
+    speeds.observe("a:1", "u:1", 40, 5, 1.0)
+    speeds.observe("b:1", "u:1", 20, 5, 1.0)
     assert speeds.choose([A, B], "t:1") == [B] and speeds.choose([A, B], "u:1") == [A]
-    speeds.observe("b:1", "t:1", 0, 1.0)  # a leg that committed nothing says nothing
-    speeds.observe("b:1", "t:1", 40, 1.0)
-    assert speeds.rate("b:1", "t:1") == 30.0
+    speeds.observe("b:1", "t:1", 0, 0, 1.0)  # a leg that committed nothing says nothing
+    assert speeds.rate("b:1", "t:1") == 20.0
+
+
+def test_time_per_round_follows_the_recent_rounds_and_tokens_per_round_many_prompts():
+    """A prompt's predictability must not decide where legs go; a hop that grew must, at once."""
+    speeds = DraftSpeeds(time_half_life_rounds=10, quality_half_life_rounds=1000)
+    speeds.observe("a:1", "t:1", tokens=30, rounds=10, seconds=1.0)  # 3 tokens a round, 0.1 s a round
+    assert speeds.rate("a:1", "t:1") == pytest.approx(30.0)
+    speeds.observe("a:1", "t:1", tokens=10, rounds=10, seconds=2.0)  # 1 token a round, 0.2 s a round
+    # Tokens per round: both legs alike, ~2; seconds per round: the old leg at half weight,
+    # (0.5 * 1.0 + 2.0) / (0.5 * 10 + 10) = 1/6 s.
+    tokens_per_round = (30 * 0.5 ** 0.01 + 10) / (10 * 0.5 ** 0.01 + 10)
+    assert speeds.rate("a:1", "t:1") == pytest.approx(tokens_per_round * 6)
+    assert tokens_per_round == pytest.approx(2.0, abs=0.01)
 
 
 def test_one_candidate_is_always_chosen_and_bad_settings_are_refused():

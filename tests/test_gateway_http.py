@@ -65,6 +65,14 @@ async def test_models_health_and_metrics(stack, sdk):
     assert (await sdk.models.retrieve(model_name(stack))).id == model_name(stack)
     with pytest.raises(openai.NotFoundError):
         await sdk.models.retrieve("no-such-model")
+    # What placement goes by: each draft's measured committed tokens per second, by target.
+    (draft,) = health.json()["draft"]["members"]
+    assert draft["tokens_per_s"] == {}
+    await post(stack, "/v1/completions", {"prompt": "Go", "max_tokens": 12, "ignore_eos": True, "speculation": "on"})
+    async with httpx.AsyncClient(base_url=stack.base_url) as client:
+        (draft,) = (await client.get("/health")).json()["draft"]["members"]
+    assert list(draft["tokens_per_s"]) == [stack.gateway.core.deps.targets.spec] and all(
+        rate > 0 for rate in draft["tokens_per_s"].values())
 
 
 async def test_chat_completion_with_the_openai_sdk(stack, tokenizer, sdk):
