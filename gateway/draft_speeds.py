@@ -18,8 +18,10 @@ those too). So:
   rule (:meth:`gateway.pool.Pool.place`) picks among them, so equal drafts share the work as before;
 - exploration: a draft not placed for this target in the last ``explore_every`` legs takes the
   next one (those never tried first), so a draft that was slow while loaded, or was restarted, is
-  measured again; a draft placed but not measured yet is left out until its leg reports, so that
-  concurrent sessions do not all pile onto a draft nothing is known about.
+  measured again; until ``known_legs`` of its legs are measured, after ``explore_every_new`` legs
+  already (one leg of an unpredictable prompt must not keep a draft off for long); a draft placed
+  but not measured yet is left out until its leg reports, so that concurrent sessions do not all
+  pile onto a draft nothing is known about.
 
 Invariant: :meth:`DraftSpeeds.choose` returns a non-empty subset of a non-empty candidate list
 (every candidate while nothing is measured).
@@ -60,17 +62,22 @@ class _Pair:
 
 class DraftSpeeds:
     def __init__(self, time_half_life_rounds: float = 32, quality_half_life_rounds: float = 256,
-                 tie: float = 0.05, explore_every: int = 16) -> None:
+                 tie: float = 0.05, explore_every: int = 16, explore_every_new: int = 4, known_legs: int = 8) -> None:
         """``time_half_life_rounds`` / ``quality_half_life_rounds``: after how many newer rounds a
         round counts half in seconds per round / tokens per round; ``tie``: relative shortfall from
         the best rate within which drafts count as equally fast; ``explore_every``: legs for a
-        target after which a draft not placed in them gets the next one."""
-        if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and 0 <= tie < 1 and explore_every >= 1):
-            raise ValueError("need half-lives > 0, 0 <= tie < 1 and explore_every >= 1")
+        target after which a draft not placed in them gets the next one, ``explore_every_new``
+        instead while fewer than ``known_legs`` of its legs for the target are measured."""
+        if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and 0 <= tie < 1
+                and 1 <= explore_every_new <= explore_every and known_legs >= 0):
+            raise ValueError("need half-lives > 0, 0 <= tie < 1, 1 <= explore_every_new <= explore_every "
+                             "and known_legs >= 0")
         self.time_half_life_rounds = time_half_life_rounds
         self.quality_half_life_rounds = quality_half_life_rounds
         self.tie = tie
         self.explore_every = explore_every
+        self.explore_every_new = explore_every_new
+        self.known_legs = known_legs
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._legs: dict[str, int] = {}  # legs placed per target
 
@@ -80,8 +87,8 @@ class DraftSpeeds:
             return list(candidates)
         legs = self._legs.get(target, 0)
         pairs = {m.address: self._pairs.get((m.address, target), _Pair()) for m in candidates}
-        stale = [m for m in candidates
-                 if pairs[m.address].placed_at < 0 or legs - pairs[m.address].placed_at >= self.explore_every]
+        stale = [m for m in candidates if pairs[m.address].placed_at < 0
+                 or legs - pairs[m.address].placed_at >= self._explore_after(pairs[m.address])]
         if stale:
             oldest = min(pairs[m.address].placed_at for m in stale)
             return [m for m in stale if pairs[m.address].placed_at == oldest]
@@ -90,6 +97,9 @@ class DraftSpeeds:
             return list(candidates)
         best = max(rates.values())
         return [m for m in candidates if m.address in rates and rates[m.address] >= best * (1 - self.tie)]
+
+    def _explore_after(self, pair: _Pair) -> int:
+        return self.explore_every if pair.legs >= self.known_legs else self.explore_every_new
 
     def placed(self, draft: str, target: str) -> None:
         """A leg for a session on ``target`` went to ``draft``."""
