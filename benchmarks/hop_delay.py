@@ -74,6 +74,7 @@ class Lane:
     url: str  # the gateway's HTTP
     metrics_url: str  # the far draft's /metrics
     near_metrics_url: str | None = None  # the near draft's
+    near_address: str = ""
 
     def blocks(self) -> tuple[float, float, float, float]:
         """(the far draft's verified rounds, its pipelined blocks that held, ones that came back
@@ -143,7 +144,8 @@ def start_services(args: argparse.Namespace, depths: list[str], log_dir: Path) -
                 time.sleep(0.5)
         lanes.append(Lane(label, depth, f"http://127.0.0.1:{settings.http_port}",
                           f"http://127.0.0.1:{settings.draft_metrics_port}/metrics",
-                          f"http://127.0.0.1:{near_metrics_port}/metrics" if with_near else None))
+                          f"http://127.0.0.1:{near_metrics_port}/metrics" if with_near else None,
+                          f"127.0.0.1:{near_port}" if with_near else ""))
     return processes, lanes, proxy
 
 
@@ -198,6 +200,12 @@ def measure(args: argparse.Namespace, delays: list[float], depths: list[str]) ->
                                 for j in range(4):
                                     blocks[(delay, i)][j] += after[j] - before[j]
                     print(f"delay {delay:g} ms done", file=sys.stderr, flush=True)
+                    for lane in lanes:
+                        if lane.near_metrics_url:  # what the gateway placed by: tokens/s per draft
+                            members = client.get(lane.url + "/health").json()["draft"]["members"]
+                            speeds = {"near" if m["address"] == lane.near_address else "far":
+                                      list(m.get("tokens_per_s", {}).values()) for m in members}
+                            print(f"  lane {lane.label}: measured tokens/s by draft {speeds}", file=sys.stderr)
         finally:
             proxy.stop()
             stop(processes)

@@ -5,7 +5,9 @@ Nothing here decides anything about speculation; see ``engine.py`` and ``loop.py
 A call that fails because of its target (the target's own status, passed through, or a verdict
 that breaks the Verify contract) carries trailing metadata saying so: ``tandem-failed-hop:
 target`` and ``tandem-target-address: host:port``. A gateway in front of pools tells a dead target
-(move the session to another target) from a dead draft (move it to another draft) by them.
+(move the session to another target) from a dead draft (move it to another draft) by them. A call
+naming a target outside the draft's pool is refused (INVALID_ARGUMENT) with ``tandem-failed-hop:
+unknown-target``: a gateway then places the leg on a draft that serves that target.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from draft_service.errors import (
     ProtocolError,
     SessionBusyError,
     TokenizerMismatchError,
+    UnknownTargetError,
 )
 from draft_service.validation import validate_spec
 from tandem import telemetry
@@ -36,6 +39,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name  
 #: Trailing metadata of a Speculate call failed by its target: the hop that failed, and which target.
 FAILED_HOP_KEY = "tandem-failed-hop"
 FAILED_HOP_TARGET = "target"
+FAILED_HOP_UNKNOWN_TARGET = "unknown-target"  # the target named is not one of this draft's
 TARGET_ADDRESS_KEY = "tandem-target-address"
 
 _STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
@@ -95,6 +99,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             log.error("Speculate for session %r: %s", spec.session_id, exc)
             code, details = grpc.StatusCode.INTERNAL, f"target {engine.target_address_of(spec)}: {exc}"
             trailers = _target_failed(engine.target_address_of(spec))
+        except UnknownTargetError as exc:  # said so, so that a gateway places the leg on another draft
+            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            trailers = ((FAILED_HOP_KEY, FAILED_HOP_UNKNOWN_TARGET), (TARGET_ADDRESS_KEY, spec.target_address))
         except tuple(_STATUS_OF) as exc:
             code, details, trailers = _status_of(exc), str(exc), ()
         except Exception as exc:

@@ -13,7 +13,9 @@ those too). So:
   time hardly depends on the prompt (the target's pass, the hop, the draft's proposal and load), so
   it is averaged briefly and follows a hop or a load that changed; tokens per round depend on how
   predictable each prompt is, so they are averaged over many prompts (per leg, one prompt's luck
-  would decide where the next legs go);
+  would decide where the next legs go), and a draft measured on few rounds has its tokens per
+  round drawn towards those of every draft serving the target (``prior_rounds`` rounds' worth):
+  until its own rounds outweigh that, the reliable part, the time of a round, decides;
 - a leg may go to the drafts whose average is within ``tie`` of the best, and the pool's least-load
   rule (:meth:`gateway.pool.Pool.place`) picks among them, so equal drafts share the work as before;
 - exploration: a draft not placed for this target in the last ``explore_every`` legs takes the
@@ -23,13 +25,17 @@ those too). So:
   but not measured yet is left out until its leg reports, so that concurrent sessions do not all
   pile onto a draft nothing is known about.
 
-Invariant: :meth:`DraftSpeeds.choose` returns a non-empty subset of a non-empty candidate list
-(every candidate while nothing is measured).
+A draft that refuses a target (not one of its ``--target-address``) is left out for that target
+for ``refusal_ttl_s``.
+
+Invariant: :meth:`DraftSpeeds.choose` returns a subset of the candidates, non-empty unless every
+candidate refuses the target (every candidate while nothing is measured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -51,40 +57,51 @@ class _Pair:
     second_rounds: float = 0.0  # ... over these rounds (the time half-life)
     legs: int = 0  # legs measured
     placed_at: int = -1  # the target's leg count when a leg last went here (-1: never)
+    refused_at: float | None = None  # when the draft last said the target is not one of its own
 
-    @property
-    def rate(self) -> float | None:
-        """Committed tokens per second; None before a leg committed anything."""
+    def rate(self, pooled_tokens_per_round: float, prior_rounds: float) -> float | None:
+        """Committed tokens per second, tokens per round drawn towards ``pooled_tokens_per_round``
+        with the weight of ``prior_rounds`` rounds; None before a leg committed anything."""
         if not (self.tokens and self.seconds):
             return None
-        return (self.tokens / self.token_rounds) / (self.seconds / self.second_rounds)
+        tokens_per_round = (self.tokens + prior_rounds * pooled_tokens_per_round) / (self.token_rounds + prior_rounds)
+        return tokens_per_round / (self.seconds / self.second_rounds)
 
 
 class DraftSpeeds:
     def __init__(self, time_half_life_rounds: float = 32, quality_half_life_rounds: float = 256,
-                 tie: float = 0.05, explore_every: int = 16, explore_every_new: int = 4, known_legs: int = 8) -> None:
+                 prior_rounds: float = 64, tie: float = 0.05, explore_every: int = 16, explore_every_new: int = 4,
+                 known_legs: int = 8,
+                 refusal_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         """``time_half_life_rounds`` / ``quality_half_life_rounds``: after how many newer rounds a
-        round counts half in seconds per round / tokens per round; ``tie``: relative shortfall from
+        round counts half in seconds per round / tokens per round; ``prior_rounds``: the weight, in
+        rounds, of all the target's drafts' tokens per round in each one's; ``tie``: relative shortfall from
         the best rate within which drafts count as equally fast; ``explore_every``: legs for a
         target after which a draft not placed in them gets the next one, ``explore_every_new``
-        instead while fewer than ``known_legs`` of its legs for the target are measured."""
-        if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and 0 <= tie < 1
+        instead while fewer than ``known_legs`` of its legs for the target are measured;
+        ``refusal_ttl_s``: how long a draft that refused a target (not one of its own) is kept off
+        it (its pool may grow)."""
+        if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and prior_rounds >= 0 and 0 <= tie < 1
                 and 1 <= explore_every_new <= explore_every and known_legs >= 0):
-            raise ValueError("need half-lives > 0, 0 <= tie < 1, 1 <= explore_every_new <= explore_every "
+            raise ValueError("need half-lives > 0, prior_rounds >= 0, 0 <= tie < 1, 1 <= explore_every_new <= explore_every "
                              "and known_legs >= 0")
         self.time_half_life_rounds = time_half_life_rounds
         self.quality_half_life_rounds = quality_half_life_rounds
+        self.prior_rounds = prior_rounds
         self.tie = tie
         self.explore_every = explore_every
         self.explore_every_new = explore_every_new
         self.known_legs = known_legs
+        self.refusal_ttl_s = refusal_ttl_s
+        self._clock = clock
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._legs: dict[str, int] = {}  # legs placed per target
 
     def choose(self, candidates: Sequence[M], target: str) -> list[M]:
         """The candidates a leg for a session on ``target`` may go to (see the module doc)."""
+        candidates = [m for m in candidates if not self.refuses(m.address, target)]
         if len(candidates) <= 1:
-            return list(candidates)
+            return candidates
         legs = self._legs.get(target, 0)
         pairs = {m.address: self._pairs.get((m.address, target), _Pair()) for m in candidates}
         stale = [m for m in candidates if pairs[m.address].placed_at < 0
@@ -92,11 +109,22 @@ class DraftSpeeds:
         if stale:
             oldest = min(pairs[m.address].placed_at for m in stale)
             return [m for m in stale if pairs[m.address].placed_at == oldest]
-        rates = {m.address: rate for m in candidates if (rate := pairs[m.address].rate) is not None}
+        pooled = self._pooled_tokens_per_round(target)
+        rates = {m.address: rate for m in candidates
+                 if (rate := pairs[m.address].rate(pooled, self.prior_rounds)) is not None}
         if not rates:
             return list(candidates)
         best = max(rates.values())
         return [m for m in candidates if m.address in rates and rates[m.address] >= best * (1 - self.tie)]
+
+    def refused(self, draft: str, target: str) -> None:
+        """``draft`` said ``target`` is not one of its targets: no legs for it there for a while."""
+        self._pair(draft, target).refused_at = self._clock()
+
+    def refuses(self, draft: str, target: str) -> bool:
+        pair = self._pairs.get((draft, target))
+        return (pair is not None and pair.refused_at is not None
+                and self._clock() - pair.refused_at < self.refusal_ttl_s)
 
     def _explore_after(self, pair: _Pair) -> int:
         return self.explore_every if pair.legs >= self.known_legs else self.explore_every_new
@@ -121,13 +149,20 @@ class DraftSpeeds:
         pair.legs += 1
 
     def rate(self, draft: str, target: str) -> float | None:
+        """The committed tokens per second placement goes by (None: not measured)."""
         pair = self._pairs.get((draft, target))
-        return None if pair is None else pair.rate
+        return None if pair is None else pair.rate(self._pooled_tokens_per_round(target), self.prior_rounds)
 
     def to_json(self, draft: str) -> dict[str, Any]:
         """For /health: the draft's measured committed tokens per second by target."""
-        return {target: round(pair.rate, 2) for (address, target), pair in self._pairs.items()
-                if address == draft and pair.rate is not None}
+        return {target: round(rate, 2) for (address, target) in list(self._pairs)
+                if address == draft and (rate := self.rate(address, target)) is not None}
+
+    def _pooled_tokens_per_round(self, target: str) -> float:
+        """Tokens per round over the recent rounds of every draft serving ``target`` (0: none yet)."""
+        pairs = [pair for (_, t), pair in self._pairs.items() if t == target]
+        rounds = sum(pair.token_rounds for pair in pairs)
+        return sum(pair.tokens for pair in pairs) / rounds if rounds else 0.0
 
     def _pair(self, draft: str, target: str) -> _Pair:
         return self._pairs.setdefault((draft, target), _Pair())

@@ -114,6 +114,17 @@ class TargetLost(UpstreamUnavailable):
         self.address = address
 
 
+class TargetNotServed(UpstreamUnavailable):
+    """A draft refused a leg because the session's target is not one of its targets (its
+    ``--target-address``): a configuration, not an outage. The leg goes to another draft
+    (:mod:`gateway.leg_reader`); with none that serves the target, the client gets this (503)."""
+
+    def __init__(self, message: str, *, draft: str, target: str) -> None:
+        super().__init__(message, code="upstream_unavailable")
+        self.draft = draft
+        self.target = target
+
+
 class Unauthenticated(GatewayError):
     """A request without a valid API key, where the gateway requires one (:mod:`gateway.auth`)."""
 

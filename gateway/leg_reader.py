@@ -10,7 +10,8 @@ failure checks that the target is in step with the client and asks for a resync 
 Each speculative leg is placed on a draft of the pool (:mod:`gateway.pool`): among those that
 have committed the most tokens per second for the session's target (:mod:`gateway.draft_speeds`,
 to which each leg that did not fail reports), the least loaded; its ``Speculate`` call names
-the session's target. Either kind of leg that hears nothing for
+the session's target. A draft that refuses the target (not one of its own) is left out for it and
+the leg goes to another, before anything was drafted or committed. Either kind of leg that hears nothing for
 ``target_timeout_s`` asks the session's target for its health; a target that does not answer is
 lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
 one whose connection drops, directly or under the draft.
@@ -22,8 +23,10 @@ placement, closed when its leg ends.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
@@ -31,15 +34,17 @@ from gateway import wire
 from gateway.adaptive import Leg, Round, SessionController
 from gateway.breaker import DraftFailure
 from gateway.deps import GenerationDeps
-from gateway.errors import GatewayError, TargetLost, UpstreamUnavailable
+from gateway.errors import GatewayError, TargetLost, TargetNotServed, UpstreamUnavailable
 from gateway.legs import DraftLegFailed, classify_draft_error, timed
 from gateway.output import Output
 from gateway.policy import Mode
-from gateway.pool import Member
+from gateway.pool import Member, Placement
 from gateway.request import GenerationRequest, Speculation
 from gateway.target_session import Resync, TargetSession
 from gateway.types import Batch
 from gateway.upstream import UpstreamStream
+
+log = logging.getLogger(__name__)
 
 
 class LegReader:
@@ -66,22 +71,47 @@ class LegReader:
 
     async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
         deps = self._deps
-        # A session that insists on speculation tries a draft even when none is known to serve.
         target = self._session.address
-        placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON,
-                                      prefer=partial(deps.draft_speeds.choose, target=target))
-        if placement is None:
-            error = UpstreamUnavailable(deps.drafts.unavailable(), code="upstream_unavailable")
-            raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
-        deps.draft_speeds.placed(placement.address, target)
+        while True:
+            # A session that insists on speculation tries a draft even when none is known to serve.
+            placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON,
+                                          prefer=partial(deps.draft_speeds.choose, target=target))
+            if placement is None:
+                error = UpstreamUnavailable(deps.drafts.unavailable(), code="upstream_unavailable")
+                raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
+            if deps.draft_speeds.refuses(placement.address, target):  # every draft left refuses it
+                placement.close()
+                error = TargetNotServed(f"no draft of the pool serves the target {target} (each refused it: it is not "
+                                        "in their --target-address)", draft=placement.address, target=target)
+                # As if no draft were up: "auto" decodes with Generate, "on" gets the error.
+                raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
+            yielded = False
+            try:
+                async with aclosing(self._measured(leg, controller, placement, target)) as batches:
+                    async for batch in batches:
+                        yielded = True
+                        yield batch
+                return
+            except TargetNotServed as refusal:  # before any state or commit: the leg goes elsewhere
+                if yielded:  # (a draft refuses before it drafts: never after a round)
+                    raise classify_draft_error(refusal, placement.member) from refusal
+                log.warning("%s; its legs for that target go to other drafts", refusal.message)
+                deps.draft_speeds.refused(placement.address, target)
+
+    async def _measured(self, leg: Leg, controller: SessionController, placement: Placement[Any],
+                        target: str) -> AsyncIterator[Batch]:
+        """The leg's batches on ``placement``'s draft, reported to :mod:`gateway.draft_speeds`."""
+        speeds = self._deps.draft_speeds
+        speeds.placed(placement.address, target)
         started = last = time.monotonic()
         committed = rounds = 0
         measured = False
         try:
-            async for batch in self._speculate(leg, controller, placement.member):
-                if batch.token_ids:
-                    committed, rounds, last = committed + len(batch.token_ids), rounds + 1, time.monotonic()
-                yield batch
+            async with aclosing(self._speculate(leg, controller, placement.member)) as batches:
+                async for batch in batches:
+                    if batch.token_ids:
+                        committed, rounds, last = committed + len(batch.token_ids), rounds + 1, time.monotonic()
+                    yield batch
             measured = True
         except GeneratorExit:  # closed at a yield: the session finished (or its client left)
             measured = True
@@ -89,7 +119,7 @@ class LegReader:
         finally:
             placement.close()
             if measured:  # a leg that failed does not measure its draft's speed (the breaker hears of it)
-                deps.draft_speeds.observe(placement.address, target, committed, rounds, last - started)
+                speeds.observe(placement.address, target, committed, rounds, last - started)
 
     async def _speculate(self, leg: Leg, controller: SessionController, draft: Member[Any]) -> AsyncIterator[Batch]:
         stream = self._stream = draft.client.speculate(self._speculate_request(leg.max_new_tokens))
@@ -125,7 +155,7 @@ class LegReader:
             error = UpstreamUnavailable(f"the draft service at {draft.address} sent nothing for {stall:g}s",
                                         code="upstream_unavailable")
             raise DraftLegFailed(DraftFailure.STALLED, error, member=draft) from None
-        except TargetLost:
+        except (TargetLost, TargetNotServed):
             stream.cancel()
             raise
         except GatewayError as error:

@@ -15,7 +15,15 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import GatewayError, InvalidRequest, Overloaded, TargetLost, UpstreamFailure, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    Overloaded,
+    TargetLost,
+    TargetNotServed,
+    UpstreamFailure,
+    UpstreamUnavailable,
+)
 from tandem import telemetry
 from tandem.rpc.endpoints import CHANNEL_OPTIONS
 from tandem.rpc.security import PLAINTEXT, HopSecurity
@@ -65,6 +73,8 @@ class DraftUpstream(Protocol):
 # Trailing metadata a draft adds when a Speculate call failed because of its target.
 FAILED_HOP_KEY = "tandem-failed-hop"
 TARGET_ADDRESS_KEY = "tandem-target-address"
+# Its value when the draft refused the call because the target named is not one of its own.
+UNKNOWN_TARGET = "unknown-target"
 # The codes that say a session's target is gone (or forgot the session), not that it refused.
 _LOST = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.NOT_FOUND: "session_lost",
          grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
@@ -76,6 +86,9 @@ def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Gatewa
     code, details = error.code(), error.details() or ""
     where = f"the {service} service at {address}"
     trailing = dict(error.trailing_metadata() or ())
+    if service == "draft" and trailing.get(FAILED_HOP_KEY) == UNKNOWN_TARGET:
+        target = str(trailing.get(TARGET_ADDRESS_KEY, "?"))
+        return TargetNotServed(f"{where} does not serve the target {target}: {details}", draft=address, target=target)
     if service == "draft" and trailing.get(FAILED_HOP_KEY) == "target" and code in _LOST:
         target = str(trailing.get(TARGET_ADDRESS_KEY, "?"))
         return TargetLost(f"the target service at {target} failed under the draft at {address}: {details}",

@@ -19,6 +19,8 @@ from draft_service.errors import TargetUnavailableError, TokenizerMismatchError
 from draft_service.main import start_draft
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer
+from gateway.errors import TargetNotServed
+from gateway.upstream import translate
 from tandem.telemetry.metrics import make_metrics
 from tandem.models import tokenizer_fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -232,6 +234,22 @@ async def test_bad_input_is_invalid_argument_and_the_service_goes_on(ngram_draft
         assert fake_target.service.requests == []  # nothing reached the target
         assert len(tokens_of(await speculate(stub, good))) == 5
     assert active(metrics) == 0
+
+
+async def test_a_target_outside_the_pool_is_refused_and_said_so_for_the_gateway(ngram_draft, fake_target):
+    """The trailing metadata lets a gateway place the leg on a draft that serves that target."""
+    request = prefill(fake_target, max_new_tokens=3)
+    request.target_address = "10.255.255.1:1"
+    channel, stub = await connect(ngram_draft)
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await speculate(stub, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "10.255.255.1:1" in err.value.details()
+    trailing = dict(err.value.trailing_metadata() or ())
+    assert trailing["tandem-failed-hop"] == "unknown-target" and trailing["tandem-target-address"] == "10.255.255.1:1"
+    refusal = translate("draft", "127.0.0.1:9", err.value)
+    assert isinstance(refusal, TargetNotServed) and (refusal.draft, refusal.target) == ("127.0.0.1:9", "10.255.255.1:1")
+    assert refusal.http_status == 503
 
 
 async def test_target_errors_reach_the_caller_with_their_code(ngram_draft, fake_target):

@@ -7,10 +7,12 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
-from gateway_fakes import InMemoryDraft, InMemoryTarget, ScriptedModel, tokenizer  # noqa: F401  (fixture)
+from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel, tokenizer  # noqa: F401  (fixture)
 from test_fleet_failover import make_deps, make_request, run
 
+from gateway.breaker import BreakerState
 from gateway.draft_speeds import DraftSpeeds
+from gateway.errors import TargetNotServed
 from gateway.pool import Pool
 from gateway.request import Speculation
 
@@ -31,7 +33,7 @@ def explored(speeds: DraftSpeeds, drafts: list[Draft], target: str = "t:1") -> N
 
 
 def test_unknown_drafts_are_tried_first_then_the_fastest_takes_the_legs():
-    speeds = DraftSpeeds(explore_every=4)
+    speeds = DraftSpeeds(explore_every=4, prior_rounds=0)
     drafts = [A, B]
     assert speeds.choose(drafts, "t:1") == drafts  # nothing known: both, least load decides
     explored(speeds, drafts)
@@ -45,7 +47,7 @@ def test_unknown_drafts_are_tried_first_then_the_fastest_takes_the_legs():
 
 
 def test_drafts_within_the_tie_margin_are_equal_so_load_decides():
-    speeds = DraftSpeeds(tie=0.05)
+    speeds = DraftSpeeds(tie=0.05, prior_rounds=0)
     explored(speeds, [A, B, C])
     for draft, rate in ((A, 100.0), (B, 96.0), (C, 90.0)):
         speeds.observe(draft.address, "t:1", tokens=int(rate), rounds=10, seconds=1.0)
@@ -82,7 +84,7 @@ def test_a_draft_measured_on_few_legs_is_explored_sooner():
 
 
 def test_speeds_are_kept_per_target():
-    speeds = DraftSpeeds()
+    speeds = DraftSpeeds(prior_rounds=0)
     explored(speeds, [A, B], "t:1")
     explored(speeds, [A, B], "u:1")
     speeds.observe("a:1", "t:1", 10, 5, 1.0)
@@ -96,7 +98,7 @@ def test_speeds_are_kept_per_target():
 
 def test_time_per_round_follows_the_recent_rounds_and_tokens_per_round_many_prompts():
     """A prompt's predictability must not decide where legs go; a hop that grew must, at once."""
-    speeds = DraftSpeeds(time_half_life_rounds=10, quality_half_life_rounds=1000)
+    speeds = DraftSpeeds(time_half_life_rounds=10, quality_half_life_rounds=1000, prior_rounds=0)
     speeds.observe("a:1", "t:1", tokens=30, rounds=10, seconds=1.0)  # 3 tokens a round, 0.1 s a round
     assert speeds.rate("a:1", "t:1") == pytest.approx(30.0)
     speeds.observe("a:1", "t:1", tokens=10, rounds=10, seconds=2.0)  # 1 token a round, 0.2 s a round
@@ -105,6 +107,23 @@ def test_time_per_round_follows_the_recent_rounds_and_tokens_per_round_many_prom
     tokens_per_round = (30 * 0.5 ** 0.01 + 10) / (10 * 0.5 ** 0.01 + 10)
     assert speeds.rate("a:1", "t:1") == pytest.approx(tokens_per_round * 6)
     assert tokens_per_round == pytest.approx(2.0, abs=0.01)
+
+
+def test_a_draft_measured_on_one_unlucky_prompt_is_judged_by_its_round_time():
+    """b:1 runs rounds twice as fast (beside the target) but its one leg was on a prompt that
+    lookup could not predict: its tokens per round are drawn towards the pool's until its own
+    rounds outweigh them, so the round time decides."""
+    speeds = DraftSpeeds(prior_rounds=64)
+    explored(speeds, [A, B])
+    speeds.observe("a:1", "t:1", tokens=300, rounds=100, seconds=10.0)  # 3 a round, 0.1 s a round
+    speeds.observe("b:1", "t:1", tokens=5, rounds=5, seconds=0.25)  # 1 a round, 0.05 s a round
+    assert speeds.choose([A, B], "t:1") == [B]
+    assert DraftSpeeds(prior_rounds=0).choose([A, B], "t:1") == [A, B]  # (nothing known there)
+    unshrunk = DraftSpeeds(prior_rounds=0)
+    explored(unshrunk, [A, B])
+    unshrunk.observe("a:1", "t:1", tokens=300, rounds=100, seconds=10.0)
+    unshrunk.observe("b:1", "t:1", tokens=5, rounds=5, seconds=0.25)
+    assert unshrunk.choose([A, B], "t:1") == [A]  # 30 against 20 tokens/s: one prompt's luck decides
 
 
 def test_one_candidate_is_always_chosen_and_bad_settings_are_refused():
@@ -151,3 +170,61 @@ async def test_legs_go_to_the_draft_that_commits_faster_and_the_output_is_unchan
     # The far draft had the first leg (least load) and one exploration leg at most: the near one
     # measured faster.
     assert len(far.streams) <= 2 and len(near.streams) >= 4
+
+
+def test_a_draft_that_refuses_a_target_is_left_out_for_it_for_a_while():
+    now = [0.0]
+    speeds = DraftSpeeds(refusal_ttl_s=60.0, clock=lambda: now[0])
+    speeds.refused("a:1", "t:1")
+    assert speeds.choose([A, B], "t:1") == [B] and speeds.choose([A, B], "u:1") == [A, B]
+    assert speeds.choose([A], "t:1") == []  # every candidate refuses: the caller says so
+    now[0] = 61.0  # its pool may have grown since
+    assert speeds.choose([A, B], "t:1") == [A, B] and not speeds.refuses("a:1", "t:1")
+
+
+class PickyDraft(SlowDraft):
+    """Serves only the targets named (as a draft started with --target-address of its own target)."""
+
+    def __init__(self, targets: dict, serves: set[str]) -> None:
+        super().__init__(next(iter(targets.values())).model, 0.0)
+        self.targets, self.serves = targets, serves
+
+    def speculate(self, request):
+        if request.target_address not in self.serves:
+            async def refused():
+                raise TargetNotServed(f"the draft service at picky does not serve the target {request.target_address}",
+                                      draft="picky", target=request.target_address)
+                yield  # an async generator
+
+            self.streams.append(InMemoryStream(refused()))
+            return self.streams[-1]
+        self.model = self.targets[request.target_address].model
+        return super().speculate(request)
+
+
+async def test_a_leg_refused_for_its_target_goes_to_a_draft_that_serves_it(tokenizer):
+    a, b = ScriptedModel(tokenizer), ScriptedModel(tokenizer)
+    targets = {"a:1": InMemoryTarget(a), "b:1": InMemoryTarget(b)}
+    near_a, everywhere = PickyDraft(targets, {"a:1"}), PickyDraft(targets, {"a:1", "b:1"})
+    deps = make_deps(tokenizer, targets, {"near-a:1": near_a, "all:1": everywhere})
+    deps.targets.members["a:1"].sessions = 1  # the session goes to b:1
+    deps.drafts.members["all:1"].sessions = 1  # its first leg to near-a:1, which refuses b:1
+    tokens, finished = await run(deps, make_request(tokenizer, Speculation.ON))
+    assert tokens == b.expected_tokens(40, ignore_eos=True) and finished.finish_reason == "length"
+    assert len(near_a.streams) == 1 and len(everywhere.streams) >= 1
+    assert deps.draft_speeds.refuses("near-a:1", "b:1") and not deps.draft_speeds.refuses("near-a:1", "a:1")
+    assert deps.drafts.members["near-a:1"].breaker.state is BreakerState.CLOSED  # a refusal is no outage
+    await run(deps, make_request(tokenizer, Speculation.ON))
+    assert len(near_a.streams) == 1  # no more legs for b:1 there
+
+
+async def test_a_target_no_draft_serves_is_a_clear_error(tokenizer):
+    a, b = ScriptedModel(tokenizer), ScriptedModel(tokenizer)
+    targets = {"a:1": InMemoryTarget(a), "b:1": InMemoryTarget(b)}
+    deps = make_deps(tokenizer, targets, {"near-a:1": PickyDraft(targets, {"a:1"})})
+    deps.targets.members["a:1"].sessions = 1
+    with pytest.raises(TargetNotServed, match="no draft of the pool serves the target b:1"):
+        await run(deps, make_request(tokenizer, Speculation.ON))
+    # speculation "auto" decodes on with the target's Generate instead.
+    tokens, finished = await run(deps, make_request(tokenizer, Speculation.AUTO))
+    assert tokens == b.expected_tokens(40, ignore_eos=True)
