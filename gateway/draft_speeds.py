@@ -69,14 +69,22 @@ class _Pair:
 
 
 class DraftSpeeds:
-    def __init__(self, time_half_life_rounds: float = 32, quality_half_life_rounds: float = 256,
-                 prior_rounds: float = 64, tie: float = 0.05, explore_every: int = 16, explore_every_new: int = 4,
-                 known_legs: int = 8,
-                 refusal_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        time_half_life_rounds: float = 32,
+        quality_half_life_rounds: float = 256,
+        prior_rounds: float = 64,
+        tie: float = 0.05,
+        explore_every: int = 16,
+        explore_every_new: int = 4,
+        known_legs: int = 8,
+        refusal_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``time_half_life_rounds`` / ``quality_half_life_rounds``: after how many newer rounds a
         round counts half in seconds per round / tokens per round; ``prior_rounds``: the weight, in
-        rounds, of all the target's drafts' tokens per round in each one's; ``tie``: relative shortfall from
-        the best rate within which drafts count as equally fast; ``explore_every``: legs for a
+        rounds, of all the target's drafts' tokens per round in each one's; ``tie``: relative
+        shortfall from the best rate within which drafts count as equally fast; ``explore_every``: legs for a
         target after which a draft not placed in them gets the next one, ``explore_every_new``
         instead while fewer than ``known_legs`` of its legs for the target are measured;
         ``refusal_ttl_s``: how long a draft that refused a target (not one of its own) is kept off
