@@ -166,6 +166,12 @@ class DraftSpeeds:
         return {target: round(rate, 2) for (address, target) in list(self._pairs)
                 if address == draft and (rate := self.rate(address, target)) is not None}
 
+    def forget(self, address: str) -> None:
+        """A draft or target left its pool: what was measured with it goes."""
+        for key in [key for key in self._pairs if address in key]:
+            del self._pairs[key]
+        self._legs.pop(address, None)
+
     def _pooled_tokens_per_round(self, target: str) -> float:
         """Tokens per round over the recent rounds of every draft serving ``target`` (0: none yet)."""
         pairs = [pair for (_, t), pair in self._pairs.items() if t == target]

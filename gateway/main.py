@@ -136,6 +136,8 @@ async def start_gateway(
         default_num_speculative_tokens=settings.num_speculative_tokens,
         tuning=SessionTuning.from_settings(settings),
     )
+    for pool in (targets, drafts):  # a draft or target that left takes its measured speeds along
+        pool.on_removed = deps.draft_speeds.forget
     core = GatewayCore(
         model,
         deps,

@@ -129,6 +129,8 @@ class Pool(Generic[U]):
         self._problems: list[str] = []
         # Called with a member whenever its placed sessions change (the gateway's pool gauge).
         self.on_sessions: Callable[[Member[U]], None] = lambda member: None
+        # Called with the address of a member that left the pool (what is kept about it goes too).
+        self.on_removed: Callable[[str], None] = lambda address: None
         if all(entry.literal for entry in self._entries):  # known now: no need to wait for DNS
             for entry in self._entries:
                 self._add(entry.member(), entry.host)
@@ -141,6 +143,7 @@ class Pool(Generic[U]):
         pool._connect, pool._lookup, pool._breaker, pool._close = (lambda address, _: members[address]), _no_lookup, breaker, None
         pool.members, pool._turn, pool._problems = {}, itertools.count(), []
         pool.on_sessions = lambda member: None
+        pool.on_removed = lambda address: None
         for address in members:
             pool._add(address, address).serving = True
         return pool
@@ -176,6 +179,7 @@ class Pool(Generic[U]):
                 member.leaving = True
             if member.sessions == 0:
                 del self.members[address]
+                self.on_removed(address)
                 if self._close is not None:
                     await self._close(member.client)
 

@@ -126,6 +126,18 @@ def test_a_draft_measured_on_one_unlucky_prompt_is_judged_by_its_round_time():
     assert unshrunk.choose([A, B], "t:1") == [A]  # 30 against 20 tokens/s: one prompt's luck decides
 
 
+def test_a_member_that_left_takes_its_speeds_along():
+    speeds = DraftSpeeds()
+    explored(speeds, [A, B], "t:1")
+    explored(speeds, [A, B], "u:1")
+    for target in ("t:1", "u:1"):
+        speeds.observe("a:1", target, 10, 5, 1.0)
+        speeds.observe("b:1", target, 10, 5, 1.0)
+    speeds.forget("a:1")  # a draft
+    speeds.forget("u:1")  # a target
+    assert speeds.to_json("a:1") == {} and list(speeds.to_json("b:1")) == ["t:1"]
+
+
 def test_one_candidate_is_always_chosen_and_bad_settings_are_refused():
     speeds = DraftSpeeds()
     assert speeds.choose([A], "t:1") == [A] and speeds.choose([], "t:1") == []

@@ -48,6 +48,8 @@ def test_address_lists_parse_and_refuse_what_is_not_host_port():
 async def test_a_dns_name_stands_for_every_address_and_the_pool_follows_it():
     dns = FakeDns({"target": ["10.0.0.1", "10.0.0.2", "10.0.0.1"]})
     pool = Pool("target", "target:50053,10.0.0.9:50053", Client, lookup=dns, close=Client.close)
+    removed: list[str] = []
+    pool.on_removed = removed.append
     assert pool.members == {}  # a name is not known before it resolves
     await pool.resolve()
     assert list(pool.members) == ["10.0.0.1:50053", "10.0.0.2:50053", "10.0.0.9:50053"]
@@ -65,6 +67,7 @@ async def test_a_dns_name_stands_for_every_address_and_the_pool_follows_it():
     client = pool.members[gone_busy].client
     await pool.resolve()
     assert gone_busy not in pool.members and client.closed
+    assert gone_busy in removed and not set(removed) & set(pool.members) and len(set(removed)) == len(removed)
     # A failed lookup is not an empty pool: nobody leaves.
     before = set(pool.members)
     del dns.records["target"]
