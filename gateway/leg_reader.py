@@ -10,10 +10,10 @@ failure checks that the target is in step with the client and asks for a resync 
 Each speculative leg is placed on a draft of the pool (:mod:`gateway.pool`): among those that
 have committed the most tokens per second for the session's target (:mod:`gateway.draft_speeds`,
 to which each leg that did not fail reports), the least loaded; its ``Speculate`` call names
-the session's target. A draft that refuses the target (not one of its own) is left out for it and
-the leg goes to another, before anything was drafted or committed. Either kind of leg that hears nothing for
-``target_timeout_s`` asks the session's target for its health; a target that does not answer is
-lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
+the session's target. A draft that refuses the target (not one of its own) is left out for it
+and the leg goes to another, before anything was drafted or committed. Either kind of leg that
+hears nothing for ``target_timeout_s`` asks the session's target for its health; a target that
+does not answer is lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
 one whose connection drops, directly or under the draft.
 
 Invariant: the reader holds at most one upstream stream, the current one, which :meth:`cancel`
