@@ -13,8 +13,8 @@ to which each leg that did not fail reports), the least loaded; its ``Speculate`
 the session's target. A draft that refuses the target (not one of its own) is left out for it
 and the leg goes to another, before anything was drafted or committed. Either kind of leg that
 hears nothing for ``target_timeout_s`` asks the session's target for its health; a target that
-does not answer is lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
-one whose connection drops, directly or under the draft.
+does not answer is lost (:class:`gateway.errors.TargetLost`, which the generation answers with a
+failover), as is one whose connection drops, directly or under the draft.
 
 Invariant: the reader holds at most one upstream stream, the current one, which :meth:`cancel`
 cancels (a cancelled ``Speculate`` makes the draft release its state), and at most one draft
