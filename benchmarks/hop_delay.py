@@ -8,11 +8,12 @@ chosen one-way latency; the gateways reach the target directly (autoregressive d
 crosses the hop). One delay after another (a link's delay is stable, and the drafts learn it:
 ``--warmup`` prompts at each delay go unmeasured), each prompt is sent in every mode, interleaved:
 speculation forced on through each depth's gateway, off (autoregressive), and ``auto`` (the
-default: falls back where speculation does not pay) through the last depth's. Reported per delay: tokens/s (the bench's definition: completion tokens
-over request time) of each, the speedup of on over off, on's tokens/s relative to delay 0, the
-mean committed tokens per round (``on/off vs 0 ms``: the speedup against the first delay's, which a
-host whose speed drifts between delays moves less than raw tokens/s), and for pipelined depths the share of blocks sent on an
-assumption that came back stale (``tandem_spec_decode_pipelined_blocks_total``).
+default: falls back where speculation does not pay) through the last depth's. Reported per
+delay: tokens/s (the bench's definition: completion tokens over request time) of each, the speedup
+of on over off, on's tokens/s relative to delay 0 and its speedup relative to delay 0's (``on/off
+vs 0 ms``, which a host whose speed drifts between delays moves less than raw tokens/s), the mean
+committed tokens per round, and for pipelined depths the share of blocks sent on an assumption that
+came back stale (``tandem_spec_decode_pipelined_blocks_total``).
 
 A lane written ``2+near`` (``--depths 1,2,2+near``) gives its gateway a second draft, of the
 kind ``--near-draft`` names (default ``ngram``), that reaches the target directly (a draft run
