@@ -5,8 +5,8 @@ A pool's drafts need not be alike. One may run beside the target (a prompt-looku
 a loopback round trip per round) and another across a network (a learned draft that proposes
 better but pays the hop every round); a loaded draft is slower than an idle one. Load alone sees
 none of this. What the gateway can compare is what each leg delivered: its committed tokens over
-its wall time, call set-up and the draft's own catch-up included (a leg placed elsewhere pays
-those too). So:
+its wall time from its first round on (a call's set-up and the draft's catch-up weigh on a short
+leg far more than on a long one, and any draft pays them). So:
 
 - each (draft, target) pair estimates its committed tokens per second as tokens per round over
   seconds per round, each averaged over its recent rounds with a half-life of its own: a round's
@@ -23,7 +23,12 @@ those too). So:
   measured again; until ``known_legs`` of its legs are measured, after ``explore_every_new`` legs
   already (one leg of an unpredictable prompt must not keep a draft off for long); a draft placed
   but not measured yet is left out until its leg reports, so that concurrent sessions do not all
-  pile onto a draft nothing is known about.
+  pile onto a draft nothing is known about;
+- a probe is short: a leg that goes to a draft measured slower than another (or not measured while
+  another is) commits at most ``probe_tokens`` there (:meth:`DraftSpeeds.probe_budget`), and the
+  rest of the request goes where the next placement says. A probe measures the round time, which
+  decides, within a few rounds; a whole request on a draft across a slow hop (``speculation: "on"``
+  makes a request one leg) cost what the probe is there to avoid.
 
 A draft that refuses a target (not one of its ``--target-address``) is left out for that target
 for ``refusal_ttl_s``.
@@ -78,6 +83,7 @@ class DraftSpeeds:
         explore_every: int = 16,
         explore_every_new: int = 4,
         known_legs: int = 8,
+        probe_tokens: int = 16,
         refusal_ttl_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -87,12 +93,13 @@ class DraftSpeeds:
         shortfall from the best rate within which drafts count as equally fast; ``explore_every``: legs for a
         target after which a draft not placed in them gets the next one, ``explore_every_new``
         instead while fewer than ``known_legs`` of its legs for the target are measured;
-        ``refusal_ttl_s``: how long a draft that refused a target (not one of its own) is kept off
-        it (its pool may grow)."""
+        ``probe_tokens``: what a leg on a draft that is not the fastest measured may commit there
+        (0: the whole leg); ``refusal_ttl_s``: how long a draft that refused a target (not one of
+        its own) is kept off it (its pool may grow)."""
         if not (time_half_life_rounds > 0 and quality_half_life_rounds > 0 and prior_rounds >= 0 and 0 <= tie < 1
-                and 1 <= explore_every_new <= explore_every and known_legs >= 0):
+                and 1 <= explore_every_new <= explore_every and known_legs >= 0 and probe_tokens >= 0):
             raise ValueError("need half-lives > 0, prior_rounds >= 0, 0 <= tie < 1, 1 <= explore_every_new <= explore_every "
-                             "and known_legs >= 0")
+                             "and known_legs, probe_tokens >= 0")
         self.time_half_life_rounds = time_half_life_rounds
         self.quality_half_life_rounds = quality_half_life_rounds
         self.prior_rounds = prior_rounds
@@ -100,30 +107,45 @@ class DraftSpeeds:
         self.explore_every = explore_every
         self.explore_every_new = explore_every_new
         self.known_legs = known_legs
+        self.probe_tokens = probe_tokens
         self.refusal_ttl_s = refusal_ttl_s
         self._clock = clock
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._legs: dict[str, int] = {}  # legs placed per target
+        self._probes: dict[str, set[str]] = {}  # per target: the drafts the last choice for it explores
 
     def choose(self, candidates: Sequence[M], target: str) -> list[M]:
         """The candidates a leg for a session on ``target`` may go to (see the module doc)."""
+        self._probes.pop(target, None)
         candidates = [m for m in candidates if not self.refuses(m.address, target)]
         if len(candidates) <= 1:
             return candidates
         legs = self._legs.get(target, 0)
         pairs = {m.address: self._pairs.get((m.address, target), _Pair()) for m in candidates}
+        pooled = self._pooled_tokens_per_round(target)
+        rates = {m.address: rate for m in candidates
+                 if (rate := pairs[m.address].rate(pooled, self.prior_rounds)) is not None}
         stale = [m for m in candidates if pairs[m.address].placed_at < 0
                  or legs - pairs[m.address].placed_at >= self._explore_after(pairs[m.address])]
         if stale:
             oldest = min(pairs[m.address].placed_at for m in stale)
-            return [m for m in stale if pairs[m.address].placed_at == oldest]
-        pooled = self._pooled_tokens_per_round(target)
-        rates = {m.address: rate for m in candidates
-                 if (rate := pairs[m.address].rate(pooled, self.prior_rounds)) is not None}
+            chosen = [m for m in stale if pairs[m.address].placed_at == oldest]
+            passed_over = [rate for address, rate in rates.items() if all(m.address != address for m in chosen)]
+            if passed_over:
+                bar = max(passed_over) * (1 - self.tie)
+                self._probes[target] = {m.address for m in chosen if rates.get(m.address, 0.0) < bar}
+            return chosen
         if not rates:
             return list(candidates)
         best = max(rates.values())
         return [m for m in candidates if m.address in rates and rates[m.address] >= best * (1 - self.tie)]
+
+    def probe_budget(self, draft: str, target: str) -> int:
+        """What the leg just placed on ``draft`` for ``target`` (by the last :meth:`choose` for it)
+        may commit there: ``probe_tokens`` where that choice was an exploration and one of the
+        drafts it passed over measures faster (or measures while ``draft`` does not); else 0, no
+        limit. Call it once, right after the placement (it forgets that choice)."""
+        return self.probe_tokens if draft in self._probes.pop(target, ()) else 0
 
     def refused(self, draft: str, target: str) -> None:
         """``draft`` said ``target`` is not one of its targets: no legs for it there for a while."""
@@ -144,7 +166,7 @@ class DraftSpeeds:
 
     def observe(self, draft: str, target: str, tokens: int, rounds: int, seconds: float) -> None:
         """A leg on ``draft`` for a session on ``target`` committed ``tokens`` in ``rounds`` rounds
-        and ``seconds``, all of its wall time. Legs that failed are not reported."""
+        and ``seconds`` (after its first round). Legs that failed are not reported."""
         if tokens <= 0 or rounds <= 0 or seconds <= 0:
             return
         pair = self._pair(draft, target)

@@ -10,11 +10,13 @@ failure checks that the target is in step with the client and asks for a resync 
 Each speculative leg is placed on a draft of the pool (:mod:`gateway.pool`): among those that
 have committed the most tokens per second for the session's target (:mod:`gateway.draft_speeds`,
 to which each leg that did not fail reports), the least loaded; its ``Speculate`` call names
-the session's target. A draft that refuses the target (not one of its own) is left out for it
-and the leg goes to another, before anything was drafted or committed. Either kind of leg that
-hears nothing for ``target_timeout_s`` asks the session's target for its health; a target that
-does not answer is lost (:class:`gateway.errors.TargetLost`, which the generation answers with a
-failover), as is one whose connection drops, directly or under the draft.
+the session's target. A leg placed to explore a draft measured slower than another is a probe:
+its call commits at most ``--draft-probe-tokens`` there, and the rest of the leg is placed again.
+A draft that refuses the target (not one of its own) is left out for it and the leg goes to
+another, before anything was drafted or committed. Either kind of leg that hears nothing for
+``target_timeout_s`` asks the session's target for its health; a target that does not answer is
+lost (:class:`gateway.errors.TargetLost`, which the generation answers with a failover), as is
+one whose connection drops, directly or under the draft.
 
 Invariant: the reader holds at most one upstream stream, the current one, which :meth:`cancel`
 cancels (a cancelled ``Speculate`` makes the draft release its state), and at most one draft
@@ -41,7 +43,7 @@ from gateway.policy import Mode
 from gateway.pool import Member, Placement
 from gateway.request import GenerationRequest, Speculation
 from gateway.target_session import Resync, TargetSession
-from gateway.types import Batch
+from gateway.types import Batch, FinishReason
 from gateway.upstream import UpstreamStream
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class LegReader:
     async def _speculative(self, leg: Leg, controller: SessionController) -> AsyncIterator[Batch]:
         deps = self._deps
         target = self._session.address
+        left = leg.max_new_tokens  # what the leg may still commit (0: no limit, the session's end)
         while True:
             # A session that insists on speculation tries a draft even when none is known to serve.
             placement = deps.drafts.place(self.avoid_draft, anyhow=self._request.speculation is Speculation.ON,
@@ -85,32 +88,46 @@ class LegReader:
                                         "in their --target-address)", draft=placement.address, target=target)
                 # As if no draft were up: "auto" decodes with Generate, "on" gets the error.
                 raise DraftLegFailed(DraftFailure.UNREACHABLE, error)
-            yielded = False
+            probe = deps.draft_speeds.probe_budget(placement.address, target)
+            budget = min(left, probe) if left and probe else (left or probe)
+            yielded, committed, finished = False, 0, False
             try:
-                async with aclosing(self._measured(leg, controller, placement, target)) as batches:
+                async with aclosing(self._measured(budget, controller, placement, target)) as batches:
                     async for batch in batches:
                         yielded = True
+                        committed += len(batch.token_ids)
+                        finished = batch.finish_reason is not FinishReason.NONE
                         yield batch
-                return
+                if finished or budget == left or (left and committed >= left):
+                    return
+                left = left - committed if left else 0  # a probe ended: the rest goes where placement says
+                continue
             except TargetNotServed as refusal:  # before any state or commit: the leg goes elsewhere
                 if yielded:  # (a draft refuses before it drafts: never after a round)
                     raise classify_draft_error(refusal, placement.member) from refusal
                 log.warning("%s; its legs for that target go to other drafts", refusal.message)
                 deps.draft_speeds.refused(placement.address, target)
 
-    async def _measured(self, leg: Leg, controller: SessionController, placement: Placement[Any],
+    async def _measured(self, max_new_tokens: int, controller: SessionController, placement: Placement[Any],
                         target: str) -> AsyncIterator[Batch]:
-        """The leg's batches on ``placement``'s draft, reported to :mod:`gateway.draft_speeds`."""
+        """The batches of a ``Speculate`` call on ``placement``'s draft (``max_new_tokens``, 0: no
+        limit), reported to :mod:`gateway.draft_speeds`."""
         speeds = self._deps.draft_speeds
         speeds.placed(placement.address, target)
-        started = last = time.monotonic()
+        # From the call's first round on: its set-up and the draft's catch-up are left out, which a
+        # short probe would otherwise pay over far fewer rounds than a whole leg.
+        first = last = None
         committed = rounds = 0
         measured = False
         try:
-            async with aclosing(self._speculate(leg, controller, placement.member)) as batches:
+            async with aclosing(self._speculate(max_new_tokens, controller, placement.member)) as batches:
                 async for batch in batches:
                     if batch.token_ids:
-                        committed, rounds, last = committed + len(batch.token_ids), rounds + 1, time.monotonic()
+                        last = time.monotonic()
+                        if first is None:
+                            first = last
+                        else:
+                            committed, rounds = committed + len(batch.token_ids), rounds + 1
                     yield batch
             measured = True
         except GeneratorExit:  # closed at a yield: the session finished (or its client left)
@@ -118,11 +135,12 @@ class LegReader:
             raise
         finally:
             placement.close()
-            if measured:  # a leg that failed does not measure its draft's speed (the breaker hears of it)
-                speeds.observe(placement.address, target, committed, rounds, last - started)
+            if measured and rounds:  # a leg that failed does not measure its draft (the breaker hears of it)
+                speeds.observe(placement.address, target, committed, rounds, last - first)
 
-    async def _speculate(self, leg: Leg, controller: SessionController, draft: Member[Any]) -> AsyncIterator[Batch]:
-        stream = self._stream = draft.client.speculate(self._speculate_request(leg.max_new_tokens))
+    async def _speculate(self, max_new_tokens: int, controller: SessionController,
+                         draft: Member[Any]) -> AsyncIterator[Batch]:
+        stream = self._stream = draft.client.speculate(self._speculate_request(max_new_tokens))
         deps = self._deps
         stall = deps.tuning.draft_stall_timeout_s
         cap = stall * deps.tuning.draft_stall_cap_factor

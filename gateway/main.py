@@ -28,6 +28,7 @@ from gateway.auth import ApiKeys
 from gateway.breaker import BreakerConfig, DraftBreaker
 from gateway.core import GatewayCore
 from gateway.deps import GenerationDeps, SessionTuning
+from gateway.draft_speeds import DraftSpeeds
 from gateway.grpc_server import build_grpc_server
 from gateway.http_app import create_app
 from gateway.monitor import UpstreamMonitor
@@ -135,6 +136,7 @@ async def start_gateway(
         draft_ready=lambda: monitor.draft_ready,
         default_num_speculative_tokens=settings.num_speculative_tokens,
         tuning=SessionTuning.from_settings(settings),
+        draft_speeds=DraftSpeeds(probe_tokens=settings.draft_probe_tokens),
     )
     for pool in (targets, drafts):  # a draft or target that left takes its measured speeds along
         pool.on_removed = deps.draft_speeds.forget

@@ -251,6 +251,11 @@ class GatewaySettings(_Base):
     stream_smoothing_max_delay_rounds: float = Field(
         2.0, ge=0.0, description="most extra delay a paced token gets, in round times (the first token is never held)"
     )
+    draft_probe_tokens: int = Field(
+        16, ge=0,
+        description="tokens a leg exploring a draft measured slower than another may commit there before the rest "
+        "is placed again by measured speed (0: the whole leg; docs/fleet.md#placement)",
+    )
     # Session-level fallback to the target's Generate (gateway.policy, gateway.adaptive)
     fallback_adaptive: bool = Field(True, description="fall back mid-session when speculation does not pay")
     fallback_min_acceptance: float = Field(

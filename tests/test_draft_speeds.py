@@ -83,6 +83,36 @@ def test_a_draft_measured_on_few_legs_is_explored_sooner():
     assert [i for i, address in enumerate(chosen) if address == "a:1"] == [1, 4, 15]
 
 
+def test_an_exploration_of_a_slower_or_unmeasured_draft_is_a_short_probe():
+    speeds = DraftSpeeds(explore_every=3, explore_every_new=3, probe_tokens=16, prior_rounds=0)
+    explored(speeds, [A, B])  # the first legs: nothing measured, nothing to compare, whole legs
+    assert speeds.probe_budget("b:1", "t:1") == 0
+    speeds.observe("a:1", "t:1", 10, 5, 1.0)
+    speeds.observe("b:1", "t:1", 50, 5, 1.0)
+    budgets = []
+    for _ in range(5):
+        (draft,) = speeds.choose([A, B], "t:1")
+        speeds.placed(draft.address, "t:1")
+        budgets.append((draft.address, speeds.probe_budget(draft.address, "t:1")))
+    # b:1 is the fastest: whole legs; a:1 explored once it went three legs without one, for 16 tokens.
+    assert budgets == [("b:1", 0), ("b:1", 0), ("a:1", 16), ("b:1", 0), ("b:1", 0)]
+    assert speeds.probe_budget("a:1", "t:1") == 0  # a choice is read once
+    # A draft never measured, explored beside one that is: a probe too.
+    speeds.choose([A, B, C], "t:1")
+    assert speeds.probe_budget("c:1", "t:1") == 16
+    # One candidate (the others down): nothing is explored, the leg is whole.
+    speeds.choose([A], "t:1")
+    assert speeds.probe_budget("a:1", "t:1") == 0
+    # Within the tie of the best: an exploration, not a probe.
+    even = DraftSpeeds(explore_every=2, explore_every_new=2, prior_rounds=0, tie=0.05)
+    explored(even, [A, B])
+    even.observe("a:1", "t:1", 97, 5, 1.0)
+    even.observe("b:1", "t:1", 100, 5, 1.0)
+    even.placed("b:1", "t:1")  # a:1 has gone two legs without one
+    assert even.choose([A, B], "t:1") == [A] and even.probe_budget("a:1", "t:1") == 0
+    assert DraftSpeeds(probe_tokens=0).probe_budget("a:1", "t:1") == 0
+
+
 def test_speeds_are_kept_per_target():
     speeds = DraftSpeeds(prior_rounds=0)
     explored(speeds, [A, B], "t:1")
@@ -182,6 +212,35 @@ async def test_legs_go_to_the_draft_that_commits_faster_and_the_output_is_unchan
     # The far draft had the first leg (least load) and one exploration leg at most: the near one
     # measured faster.
     assert len(far.streams) <= 2 and len(near.streams) >= 4
+
+
+class RecordingDraft(SlowDraft):
+    """Records each call's budget (``max_new_tokens``; 0: the rest of the session)."""
+
+    def __init__(self, model: ScriptedModel, delay_s: float) -> None:
+        super().__init__(model, delay_s)
+        self.budgets: list[int] = []
+
+    def speculate(self, request):
+        self.budgets.append(request.max_new_tokens)
+        return super().speculate(request)
+
+
+async def test_a_probe_of_the_slower_draft_is_short_and_the_request_goes_on_on_the_faster(tokenizer):
+    model = ScriptedModel(tokenizer)
+    near, far = RecordingDraft(model, 0.0), RecordingDraft(model, 0.03)
+    deps = make_deps(tokenizer, {"t:1": InMemoryTarget(model)}, {"far:1": far, "near:1": near})
+    deps.draft_speeds = DraftSpeeds(explore_every=3, explore_every_new=3, probe_tokens=6)
+    deps.drafts.members["near:1"].sessions = 1  # the first leg goes to far:1 (least load)
+    request = make_request(tokenizer, Speculation.ON)
+    for _ in range(8):
+        tokens, finished = await run(deps, request)
+        assert tokens == model.expected_tokens(40, ignore_eos=True) and finished.finish_reason == "length"
+    # far:1's first leg was a whole request; near:1's first a probe (unmeasured beside a measured
+    # draft), then the rest of that request; afterwards far:1 gets probes only.
+    assert far.budgets[0] == 0 and len(far.budgets) >= 2 and set(far.budgets[1:]) == {6}
+    assert near.budgets[:2] == [6, 0] and 0 in near.budgets[2:]
+    assert deps.draft_speeds.rate("near:1", "t:1") > deps.draft_speeds.rate("far:1", "t:1")
 
 
 def test_a_draft_that_refuses_a_target_is_left_out_for_it_for_a_while():
