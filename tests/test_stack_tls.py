@@ -80,7 +80,9 @@ def test_the_openai_sdk_with_the_key_is_served_over_https_and_without_it_refused
         assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
         assert whole.usage.completion_tokens == 12
         chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert chat.usage.completion_tokens == 4
+        # The SDK's default temperature samples, so an end-of-turn token may come first.
+        done = chat.choices[0].finish_reason
+        assert (done, chat.usage.completion_tokens) == ("length", 4) or (done == "stop" and 1 <= chat.usage.completion_tokens <= 4)
         keyless = openai.OpenAI(base_url=f"{secure_stack.url}/v1", api_key="sk-wrong", http_client=http)
         with pytest.raises(openai.AuthenticationError) as refused:
             keyless.completions.create(model=model, prompt="Once", max_tokens=2)
