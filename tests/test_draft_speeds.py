@@ -32,6 +32,17 @@ def explored(speeds: DraftSpeeds, drafts: list[Draft], target: str = "t:1") -> N
         speeds.placed(draft.address, target)
 
 
+def placed_legs(speeds: DraftSpeeds, drafts: list[Draft], legs: int, target: str = "t:1") -> list[tuple[str, int]]:
+    """Places ``legs`` legs one after another as the gateway does (each on the one draft chosen):
+    (address, probe budget) of each."""
+    placed = []
+    for _ in range(legs):
+        (draft,) = speeds.choose(drafts, target)
+        speeds.placed(draft.address, target)
+        placed.append((draft.address, speeds.probe_budget(draft.address, target)))
+    return placed
+
+
 def test_unknown_drafts_are_tried_first_then_the_fastest_takes_the_legs():
     speeds = DraftSpeeds(explore_every=4, prior_rounds=0)
     drafts = [A, B]
@@ -59,11 +70,7 @@ def test_a_draft_left_out_is_explored_again_after_explore_every_legs():
     explored(speeds, [A, B])
     speeds.observe("a:1", "t:1", 10, 5, 1.0)
     speeds.observe("b:1", "t:1", 50, 5, 1.0)
-    chosen = []
-    for _ in range(12):
-        (draft,) = speeds.choose([A, B], "t:1")
-        speeds.placed(draft.address, "t:1")
-        chosen.append(draft.address)
+    chosen = [address for address, _ in placed_legs(speeds, [A, B], 12)]
     # b:1 is the fastest; a:1 gets one leg once it has gone 5 legs without one.
     assert chosen.count("a:1") == 2 and chosen[4] == "a:1" and chosen[10] == "a:1"
 
@@ -89,11 +96,7 @@ def test_an_exploration_of_a_slower_or_unmeasured_draft_is_a_short_probe():
     assert speeds.probe_budget("b:1", "t:1") == 0
     speeds.observe("a:1", "t:1", 10, 5, 1.0)
     speeds.observe("b:1", "t:1", 50, 5, 1.0)
-    budgets = []
-    for _ in range(5):
-        (draft,) = speeds.choose([A, B], "t:1")
-        speeds.placed(draft.address, "t:1")
-        budgets.append((draft.address, speeds.probe_budget(draft.address, "t:1")))
+    budgets = placed_legs(speeds, [A, B], 5)
     # b:1 is the fastest: whole legs; a:1 explored once it went three legs without one, for 16 tokens.
     assert budgets == [("b:1", 0), ("b:1", 0), ("a:1", 16), ("b:1", 0), ("b:1", 0)]
     assert speeds.probe_budget("a:1", "t:1") == 0  # a choice is read once
