@@ -248,16 +248,21 @@ class BlockLengthPolicy:
         return best_length
 
     def observe(
-        self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float, propose_seconds: float,
+        self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float | None, propose_seconds: float,
         verify_seconds: float = 0.0,
     ) -> None:
         """A verdict of a block of ``rows - 1`` drafts (named by ``sources``, when the proposer
         names them) that took ``seconds`` from sending to verdict, of which the target's pass took
         ``verify_seconds`` (0: not reported, the whole round counts as the pass), and
-        ``propose_seconds`` to draft."""
+        ``propose_seconds`` to draft. ``seconds`` None: the block went out while another was in
+        flight (``draft_service.pipeline``), so its wait says nothing about the hop; only its pass
+        is learned."""
         if sources:
             self.acceptance.observe(sources, num_accepted)
-        if 0.0 < verify_seconds <= seconds:
+        if seconds is None:
+            if verify_seconds > 0.0:
+                self.costs.observe(rows, verify_seconds)
+        elif 0.0 < verify_seconds <= seconds:
             self.costs.observe(rows, verify_seconds)
             self._transport_seconds.append(seconds - verify_seconds)
         else:

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
+from draft_service.block_shape import BlockShapes
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.hop import HopStats
 from draft_service.proposers.base import ProposerSession
-from draft_service.types import ProposedBlock, FinishReason, Proposal, RoundResult, SessionSpec, Verdict, VerdictStatus
+from draft_service.types import FinishReason, Proposal, ProposedBlock, RoundResult, SessionSpec, Verdict, VerdictStatus
 
 if TYPE_CHECKING:
     import torch
@@ -87,13 +88,16 @@ class SpeculationLoop:
         acceptance: AcceptanceTally | None = None,
         clock: Callable[[], float] = time.perf_counter,
         hop: HopStats | None = None,
+        shapes: BlockShapes | None = None,
     ) -> None:
         """``pending_commit``: a verdict the proposer session has not applied yet (a session resumed
         from an earlier call, ``pending_commit`` of that call's loop). ``lengths``: the service's
         policy that cuts proposals to the length that pays best, and learns from each verdict
         (None: every proposal is sent whole); ``acceptance``: the session's own record from an
         earlier call (a fresh one when None); ``hop``: the measured hop to the session's target
-        (``draft_service.hop``), which the loop feeds and prices rounds with."""
+        (``draft_service.hop``), which the loop feeds and prices rounds with; ``shapes``: the
+        proposer's measured choice of block shape (``Proposer.block_shapes``), told what each
+        round of a chosen shape committed and took."""
         self._spec = spec
         self._proposer = proposer
         self._verifier = verifier
@@ -104,6 +108,7 @@ class SpeculationLoop:
         self._clock = clock
         self._hop = hop
         self._lengths = lengths
+        self._shapes = shapes
         self.acceptance = acceptance if acceptance is not None else AcceptanceTally()  # weighed in by ``lengths``
         # Sampled drafts are accepted by chance, greedy ones by agreement: tallied apart.
         self._source_prefix = "" if spec.sampling.greedy else "sampled/"
@@ -167,6 +172,8 @@ class SpeculationLoop:
                 )
                 return
             committed = self._check_ok(base_len, proposal, verdict)
+            if self._shapes is not None and proposal.shape:
+                self._shapes.observe(proposal.shape, len(committed), answered - started)
             self._pending_commit = (base_len, committed, verdict.hidden_states)
             self._committed_len += len(committed)
             self._streamed += len(committed)

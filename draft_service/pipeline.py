@@ -129,12 +129,21 @@ class PipelinedLoop(SpeculationLoop):
                 return
             base = len(flight.expects)
             committed = self._check_ok(base, flight.proposal, verdict)
+            if self._shapes is not None and flight.proposal.shape and flight.alone:  # a round of its own
+                self._shapes.observe(flight.proposal.shape, len(committed), answered - flight.started)
             self._pending_commit = _after(self._pending_commit, (base, committed, verdict.hidden_states))
             self._sequence.extend(committed)
             self._committed_len += len(committed)
             self._streamed += len(committed)
-            if flight.sources:
-                self.acceptance.observe(flight.sources[: len(flight.proposal.token_ids)], verdict.num_accepted)
+            if flight.sources:  # what the synchronous loop teaches the block-length policy
+                sent = flight.sources[: len(flight.proposal.token_ids)]
+                self.acceptance.observe(sent, verdict.num_accepted)
+                if self._lengths is not None:
+                    self._lengths.observe(
+                        sent, verdict.num_accepted, rows=len(flight.proposal.token_ids) + 1,
+                        seconds=answered - flight.sent if flight.alone else None,
+                        propose_seconds=flight.proposed - flight.started, verify_seconds=verdict.verify_seconds,
+                    )
             yield RoundResult(
                 token_ids=committed, committed_len=verdict.committed_len, finish_reason=verdict.finish_reason,
                 num_draft_tokens=len(flight.proposal.token_ids), num_accepted=verdict.num_accepted,

@@ -38,6 +38,9 @@ class Proposal:
     # A token tree (greedy only): the parent of each draft, an earlier index or -1 for the last
     # committed token. Empty: a chain.
     parents: tuple[int, ...] = ()
+    # "tree" or "chain" where the draft service chose this block's shape from measured rates
+    # (draft_service.block_shape), which the verdict then reports back to; "" where nothing was chosen.
+    shape: str = ""
 
     def __post_init__(self) -> None:
         if self.parents:
@@ -108,7 +111,7 @@ class Proposal:
             return self
         if self.parents:
             raise ValueError("a token tree is not cut by length")
-        return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length])
+        return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length], shape=self.shape)
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,12 @@ class DraftSettings(_Base):
     draft_tree_top_k: int = Field(
         2, ge=1, le=8, description="in a token tree, the head's most probable guesses each node branches into"
     )
+    draft_trees: Literal["measured", "always"] = Field(
+        "measured",
+        description="with --draft-tree-nodes above 0: draft a token tree or a chain by which commits more tokens per "
+        "second of round on this host, measured as the service serves (measured), or a tree wherever one can be "
+        "drafted (always)",
+    )
     eagle_vocab: int = Field(
         4096,
         ge=0,

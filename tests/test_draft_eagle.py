@@ -154,7 +154,8 @@ async def speculate_in_process(loaded, proposer, n: int, k: int = 4, depth: int 
     verifier = EngineVerifier(engine)
     loop = (PipelinedLoop if depth > 1 else SpeculationLoop)(
         spec, proposer.new_session(committed, sampling_config), verifier, run_inline,
-        want_hidden_states=proposer.wants_hidden_states, **({"depth": depth} if depth > 1 else {}),
+        want_hidden_states=proposer.wants_hidden_states, shapes=proposer.block_shapes,
+        **({"depth": depth} if depth > 1 else {}),
     )
     results = [r async for r in loop.rounds()]
     tokens = [first.token_id, *(t for r in results for t in r.token_ids)]

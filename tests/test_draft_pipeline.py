@@ -131,7 +131,9 @@ async def test_pipelined_eagle_drafters_are_lossless_and_draft_on_their_own_feat
 
     n = 32
     eagle = load_eagle(eagle_head, target)
-    proposer = {"eagle": lambda: eagle, "ngram+eagle trees": lambda: NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5),
+    proposer = {"eagle": lambda: eagle,
+                "ngram+eagle trees": lambda: NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5,
+                                                                measure_shapes=False),
                 "ngram+eagle chains": lambda: NgramFirstProposer(NgramProposer(), eagle)}[drafter]()
     tokens, _, blocks = await speculate_in_process(target, proposer, n, k=3, depth=depth)
     assert tokens == generate_greedy(target.model, EAGLE_PROMPT, n, target.tokenizer.eos_token_id)
@@ -144,6 +146,29 @@ async def test_pipelined_eagle_drafters_are_lossless_and_draft_on_their_own_feat
             if block.assumed_token_ids and before.proposal.parents and before.base_len == block.base_len:
                 path, skip = before.proposal.likely_path(), len(before.assumed_token_ids)
                 assert block.assumed_token_ids[skip: skip + len(path)] == path
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_measured_block_shapes_are_lossless_and_learn_from_the_rounds(target, eagle_head, depth):
+    """Trees and chains chosen by measured rates (the default): greedy output is the target's, both
+    shapes are drafted while the choice learns, and the rounds of a block sent alone report back."""
+    from test_draft_eagle import PROMPT as EAGLE_PROMPT
+    from test_draft_eagle import load_eagle, speculate_in_process
+
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+
+    n = 32
+    proposer = NgramFirstProposer(NgramProposer(), load_eagle(eagle_head, target), tree_nodes=5)
+    tokens, results, blocks = await speculate_in_process(target, proposer, n, k=3, depth=depth)
+    assert tokens == generate_greedy(target.model, EAGLE_PROMPT, n, target.tokenizer.eos_token_id)
+    shaped = [block.proposal for block in blocks if block.proposal.shape]
+    assert {p.shape for p in shaped} == {"tree", "chain"}
+    assert all(bool(p.parents) == (p.shape == "tree") for p in shaped)
+    reported = sum(len(tally.rounds) for tally in proposer.block_shapes._tallies.values())
+    if depth == 1:  # every round is its own
+        assert reported == sum(1 for block in blocks if block.proposal.shape and not block.assumed_token_ids) > 0
+    else:  # blocks sent ahead of a verdict are not
+        assert reported < len(shaped)
 
 
 async def test_the_heads_rollout_reuses_what_it_predicted_and_is_bounded(
@@ -316,7 +341,7 @@ async def test_hedged_blocks_are_lossless(target, near_target, eagle_head, draft
     if drafter == "near-weights":
         proposer = HfProposer(near_target)
     else:
-        proposer = NgramFirstProposer(NgramProposer(), load_eagle(eagle_head, target), tree_nodes=5)
+        proposer = NgramFirstProposer(NgramProposer(), load_eagle(eagle_head, target), tree_nodes=5, measure_shapes=False)
     engine = TargetEngine(target)
     first = engine.prefill("s", EAGLE_PROMPT, SessionConfig(max_new_tokens=n, return_hidden_states=True))
     committed = (*EAGLE_PROMPT, first.token_id)
@@ -391,9 +416,13 @@ async def test_a_draft_killed_with_blocks_in_flight_loses_nothing(target, monkey
         await served.stop(0)
 
 
-async def test_the_loop_measures_the_hop_to_its_target_and_prices_blocks_with_it(target):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+async def test_the_loop_measures_the_hop_and_teaches_the_block_length_policy(target, pipelined, monkeypatch):
     """Every verdict that reports the target's pass gives the hop a round trip (what the block
-    went through beyond the pass), which the block-length policy then prices rounds with."""
+    went through beyond the pass), which the block-length policy then prices rounds with; and every
+    verified block with named drafts teaches the policy its acceptance and the cost of its width,
+    in the pipelined loop (the default) as in the synchronous one. A block sent while another was
+    in flight teaches its pass only: its wait includes the other's."""
     from test_draft_eagle import PROMPT as EAGLE_PROMPT
     from test_draft_eagle import EngineVerifier
 
@@ -407,17 +436,29 @@ async def test_the_loop_measures_the_hop_to_its_target_and_prices_blocks_with_it
     first = engine.prefill("s", EAGLE_PROMPT, SessionConfig(max_new_tokens=24))
     committed = (*EAGLE_PROMPT, first.token_id)
     spec = SessionSpec("s", committed, len(EAGLE_PROMPT), SamplingParams(), 3, session_max_new_tokens=24)
-    hop, lengths = HopStats(), BlockLengthPolicy()
+    hop, lengths = HopStats(), BlockLengthPolicy(explore_every=0)
     priced = []
     length = lengths.length
     lengths.length = lambda sources, session=None, transport_s=None: priced.append(transport_s) or length(
         sources, session, transport_s)
-    loop = SpeculationLoop(spec, NgramProposer().new_session(committed, SamplingParams()), EngineVerifier(engine),
-                           run_inline, lengths=lengths, hop=hop)
-    await collect(loop)
+    # The target's own weights draft: every assumption holds, so blocks go out ahead and are verified.
+    session = HfProposer(target).new_session(committed, SamplingParams())
+    if pipelined:
+        monkeypatch.setattr(HopStats, "send_ahead", lambda self, rank=0: True)
+        loop = PipelinedLoop(spec, session, EngineVerifier(engine), run_inline, lengths=lengths, hop=hop, depth=2)
+    else:
+        loop = SpeculationLoop(spec, session, EngineVerifier(engine), run_inline, lengths=lengths, hop=hop)
+    results = await collect(loop)
     assert hop.measured_transport_s is not None and 0 <= hop.measured_transport_s < 1.0
-    assert lengths.costs.medians() or len(lengths.costs._samples)  # passes learned by width
     assert any(t is not None for t in priced)  # blocks after the first were priced with the hop
+    judged = [r for r in results if r.verified and r.num_draft_tokens]
+    assert judged and lengths.acceptance.offered >= len(judged)
+    passes = sum(len(samples) for samples in lengths.costs._samples.values())
+    assert passes == len(judged)  # every verified block's pass, by its width
+    if pipelined:
+        assert loop.held_blocks > 0 and len(lengths._transport_seconds) <= passes - loop.held_blocks
+    else:
+        assert len(lengths._transport_seconds) == passes
 
 
 async def test_sessions_pipelined_across_a_slow_hop_are_lossless_and_interleave_on_the_target(target):

@@ -13,6 +13,8 @@ from test_draft_eagle import load_eagle, target_info
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy
 from test_draft_ngram_first import head, llama  # noqa: F401 (fixtures)
 
+from draft_service.block_shape import CHAIN as BLOCK_CHAIN
+from draft_service.block_shape import TREE as BLOCK_TREE
 from draft_service.errors import ProtocolError
 from draft_service.loop import SpeculationLoop, root_path_length
 from draft_service.proposers import make_proposer
@@ -129,7 +131,7 @@ def children(tree: Proposal, parent: int) -> list[int]:
 
 
 def test_a_greedy_session_drafts_a_valid_tree_within_its_budget(eagle) -> None:
-    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=3)
+    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=3, measure_shapes=False)
     tokens = [5, 6, 7, 8, 9]  # nothing recurs: the head alone
     for max_tokens, nodes in ((7, 5), (3, 3), (1, 1)):
         session = with_feature(proposer, tokens)
@@ -139,7 +141,7 @@ def test_a_greedy_session_drafts_a_valid_tree_within_its_budget(eagle) -> None:
         for parent in range(-1, nodes):
             assert len(set(children(tree, parent))) == len(children(tree, parent)) <= 3  # distinct siblings
     # A random head spreads its probability thin: two nodes are its two best first guesses.
-    session = with_feature(NgramFirstProposer(NgramProposer(), eagle, tree_nodes=2), tokens)
+    session = with_feature(NgramFirstProposer(NgramProposer(), eagle, tree_nodes=2, measure_shapes=False), tokens)
     assert session.propose(7).token_ids == session._eagle.guesses(2).token_ids
 
 
@@ -170,7 +172,7 @@ def test_propose_puts_a_weak_lookup_copy_in_the_tree_and_sends_a_strong_one_as_a
 
 
 def test_an_unsure_head_leaves_the_tree_to_lookups_copy(eagle) -> None:
-    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=6)
+    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=6, measure_shapes=False)
     guess = with_feature(proposer, [5, 6, 7])._eagle.guesses(1).token_ids[0]  # after 7: feature and token only
     other = next(t for t in range(20, 99) if t not in (guess, 7))
     # Lookup's weakest draft here (0.6 * 0.9 ** 3) is worth more than anything a random head guesses.
@@ -179,7 +181,7 @@ def test_an_unsure_head_leaves_the_tree_to_lookups_copy(eagle) -> None:
 
 
 def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> None:
-    tree_proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5)
+    tree_proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, measure_shapes=False)
     fresh = tree_proposer.new_session([7, 8, 9, 7], SamplingParams())  # no verdict yet: no feature
     assert fresh.propose(3) == Proposal((8, 9, 7), sources=("lookup:1",) * 3)  # lookup's chain, as today
     assert fresh.trees == 0
@@ -192,16 +194,36 @@ def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> 
 
     assert with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9]).propose(3).parents == ()
     with pytest.raises(ValueError, match="tree_top_k"):
-        NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=0)
+        NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, tree_top_k=0, measure_shapes=False)
 
 
 def test_the_settings_reach_the_proposer(llama, head) -> None:
     settings = DraftSettings(draft_model=f"ngram+{head}", target_model=str(llama.hf_dir), device="cpu")
     made = make_proposer(settings, target_info(llama))
     assert (made.tree_nodes, made.tree_top_k) == (5, 2)  # trees of five nodes by default
-    settings = settings.model_copy(update={"draft_tree_nodes": 6, "draft_tree_top_k": 3})
+    assert made.block_shapes is not None  # trees or chains, as measured
+    settings = settings.model_copy(update={"draft_tree_nodes": 6, "draft_tree_top_k": 3, "draft_trees": "always"})
     made = make_proposer(settings, target_info(llama))
-    assert (made.tree_nodes, made.tree_top_k) == (6, 3)
+    assert (made.tree_nodes, made.tree_top_k) == (6, 3) and made.block_shapes is None
+
+
+def test_a_measured_session_drafts_the_shape_chosen_and_names_it(eagle) -> None:
+    proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5)  # measured: the default
+    shapes = proposer.block_shapes
+    tokens = [5, 6, 7, 8, 9]  # nothing recurs: the head alone
+    tree = with_feature(proposer, tokens).propose(7)  # nothing measured yet: a tree first
+    assert tree.parents and tree.shape == BLOCK_TREE
+    shapes.observe(BLOCK_TREE, 2, 0.02)
+    chain = with_feature(proposer, tokens).propose(7)  # then a chain, as a proposer without trees drafts it
+    assert not chain.parents and chain.token_ids and chain.shape == BLOCK_CHAIN
+    assert chain.token_ids == with_feature(NgramFirstProposer(NgramProposer(), eagle), tokens).propose(7).token_ids
+    # Where nothing was chosen the block names no shape: no feature yet, or a strong lookup match.
+    assert proposer.new_session([7, 8, 9, 7], SamplingParams()).propose(3).shape == ""
+    strong = with_feature(proposer, [5, 7, 10, 99, 5, 7]).propose(7)
+    assert not strong.parents and strong.token_ids[:3] == (10, 99, 5) and strong.shape == ""
+    # A cut chain keeps its shape (the loop reports the round under it).
+    assert chain.cut(1).shape == BLOCK_CHAIN
+    assert NgramFirstProposer(NgramProposer(), eagle).block_shapes is None  # chains only: nothing to choose
 
 
 # --------------------------------------------------------------------------- the loop

@@ -74,6 +74,7 @@ def make_proposer(settings: DraftSettings, target: TargetInfo) -> Proposer:
             overrule_confidence=settings.eagle_overrule_confidence,
             tree_nodes=settings.draft_tree_nodes,
             tree_top_k=settings.draft_tree_top_k,
+            measure_shapes=settings.draft_trees == "measured",
         )
     if is_eagle_draft(spec):
         return _load_eagle(spec, settings, target)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from draft_service.block_length import AcceptancePrior
+from draft_service.block_shape import BlockShapes
 from draft_service.types import Proposal, SamplingParams
 
 if TYPE_CHECKING:
@@ -84,6 +85,12 @@ class Proposer(ABC):
     def block_shape(self) -> str:
         """How its blocks are shaped, for the start-up log: "chains", or what trees it drafts."""
         return "chains"
+
+    @property
+    def block_shapes(self) -> BlockShapes | None:
+        """Where it chooses between token trees and chains by measured rates, the tallies the
+        speculation loops report verified rounds of a chosen shape to (``Proposal.shape``)."""
+        return None
 
     @abstractmethod
     def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> ProposerSession:

@@ -19,14 +19,17 @@ K (default 7), and stops early where it doubts its own draft (``--eagle-min-conf
 its step, even though passes over up to 8 tokens cost little more than one (``tandem.cpu.linear``;
 figures: docs/design-notes.md#eagle-k).
 
-Greedy sessions draft a token tree instead where lookup has no strong match (``TokenTree``,
+Greedy sessions may draft a token tree instead where lookup has no strong match (``TokenTree``,
 ``--draft-tree-nodes N``, default 5; 0 = chains): the head's top guesses at each position and
 lookup's weak copy compete for N nodes by estimated path probability, so where the head's first
-guess is wrong its second may still be accepted.
+guess is wrong its second may still be accepted. Whether a tree or a chain pays more on this host
+is measured as the service serves (``draft_service.block_shape``; ``--draft-trees always``: trees
+wherever they can be drafted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.block_length import AcceptancePrior
+from draft_service.block_shape import CHAIN, BlockShapes
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession, HeadGuesses
 from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
@@ -169,15 +173,19 @@ class NgramFirstSession(ProposerSession):
         overrule_confidence: float = 0.0,
         tree_nodes: int = 0,
         tree_top_k: int = 2,
+        shapes: BlockShapes | None = None,
     ) -> None:
         """``tree_nodes``: most nodes of a token tree (0 = chains; give 0 for sampled sessions, the
-        target verifies trees greedily only); ``tree_top_k``: the head's guesses per tree node."""
+        target verifies trees greedily only); ``tree_top_k``: the head's guesses per tree node;
+        ``shapes``: the service's measured choice between a tree and a chain (None: a tree wherever
+        one can be drafted)."""
         self._ngram = ngram
         self._eagle = eagle
         self._head_k = head_k  # most drafts a head block makes (0 = the block's own K)
         self._overrule_confidence = overrule_confidence  # 0 = lookup drafts whenever it matches
         self._tree_nodes = tree_nodes
         self._tree_top_k = tree_top_k
+        self._shapes = shapes
         self.lookups = 0  # blocks drafted by prompt lookup
         self.head_drafts = 0  # blocks drafted by the eagle head
         self.overruled = 0  # of those, blocks where lookup had a draft the head overruled
@@ -190,10 +198,21 @@ class NgramFirstSession(ProposerSession):
             self.lookups += 1
             return proposal
         budget = min(max_tokens, self._tree_nodes)
+        shape = ""
+        if budget > 0 and self._shapes is not None and self._eagle.has_feature:
+            shape = self._shapes.choose()
+            budget = 0 if shape == CHAIN else budget
         root = self._eagle.guesses(self._tree_top_k) if budget > 0 else None
         if root is not None:  # without the head's feature (a fresh session) a chain, as below
             self.trees += 1
-            return TokenTree(self._eagle, self._tree_top_k, budget).grow(root, proposal.token_ids[:budget], match_len)
+            tree = TokenTree(self._eagle, self._tree_top_k, budget).grow(root, proposal.token_ids[:budget], match_len)
+            return dataclasses.replace(tree, shape=shape)
+        chain = self._chain(proposal, match_len, max_tokens)
+        return dataclasses.replace(chain, shape=shape) if shape else chain
+
+    def _chain(self, proposal: Proposal, match_len: int, max_tokens: int) -> Proposal:
+        """Lookup's weak copy (``proposal``, after a match of ``match_len`` tokens), unless the head
+        overrules it; else the head's block, continued by lookup."""
         if proposal.token_ids:
             if not self._head_overrules(proposal.token_ids[0], match_len):
                 self.lookups += 1
@@ -268,7 +287,11 @@ class NgramFirstProposer(Proposer):
         overrule_confidence: float = 0.0,
         tree_nodes: int = 0,
         tree_top_k: int = 2,
+        measure_shapes: bool = True,
     ) -> None:
+        """``measure_shapes``: with ``tree_nodes`` > 0, greedy blocks are trees or chains by which
+        commits more tokens per second of round here (``draft_service.block_shape``); False: trees
+        wherever one can be drafted."""
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
         if not 0.0 <= overrule_confidence <= 1.0:
@@ -283,6 +306,7 @@ class NgramFirstProposer(Proposer):
         self.overrule_confidence = overrule_confidence
         self.tree_nodes = tree_nodes  # 0 = chains
         self.tree_top_k = tree_top_k
+        self._shapes = BlockShapes() if tree_nodes and measure_shapes else None
 
     @property
     def model_name(self) -> str:
@@ -300,7 +324,14 @@ class NgramFirstProposer(Proposer):
     def block_shape(self) -> str:
         if not self.tree_nodes:
             return "chains"
-        return f"token trees of up to {self.tree_nodes} nodes (top-{self.tree_top_k}) for greedy sessions, else chains"
+        trees = f"token trees of up to {self.tree_nodes} nodes (top-{self.tree_top_k})"
+        if self._shapes is not None:
+            return f"{trees} or chains for greedy sessions, whichever measures faster; else chains"
+        return f"{trees} for greedy sessions, else chains"
+
+    @property
+    def block_shapes(self) -> BlockShapes | None:
+        return self._shapes
 
     @property
     def acceptance_prior(self) -> AcceptancePrior | None:
@@ -316,6 +347,7 @@ class NgramFirstProposer(Proposer):
             # The target verifies trees greedily only: sampled sessions draft chains.
             self.tree_nodes if sampling.greedy else 0,
             self.tree_top_k,
+            self._shapes,
         )
 
     def warm_up(self) -> None:
