@@ -9,6 +9,9 @@ import pytest
 
 from tiny import make_tiny_model  # noqa: E402  (tests/ is on sys.path via this conftest)
 
+# Fixtures shared by several test modules live in these helper modules (tests/ is on sys.path).
+pytest_plugins = ["gateway_fakes", "model_fixtures"]
+
 # Keep model caches of a test run out of the user's home unless a cache is given explicitly.
 os.environ.setdefault("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem"))
 

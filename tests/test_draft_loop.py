@@ -6,12 +6,10 @@ streamed tokens can be compared with transformers' own ``generate()`` token for 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
-import torch
-from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, greedy_continuation, load_tiny
+from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, greedy_continuation
 
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.loop import MAX_STALE_RETRIES, SpeculationLoop
@@ -25,29 +23,6 @@ PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 async def run_inline(fn, *args):
     """The loop's run_model without a thread: the tests stay deterministic."""
     return fn(*args)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return load_tiny(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir):
-    return load_tiny(tiny_draft_dir)
-
-
-@pytest.fixture(scope="module")
-def near_target(target):
-    """The target with noise on its weights: a draft that agrees often but not always, so rounds
-    accept every prefix length (0, partial, all)."""
-    model = copy.deepcopy(target.model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std())
-    return dataclasses.replace(target, model=model)
 
 
 def start_session(target, prompt=PROMPT, **prefill) -> tuple[ReferenceTarget, tuple[int, ...]]:

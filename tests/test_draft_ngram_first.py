@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from draft_fakes import generate_greedy, load_tiny
-from test_draft_eagle import PROMPT, load_eagle, make_head, speculate_in_process, target_info
+from draft_fakes import generate_greedy
+from test_draft_eagle import PROMPT, load_eagle, speculate_in_process, target_info
 
 from draft_service.proposers import make_proposer
 from draft_service.proposers.ngram import NgramProposer, find_continuation
@@ -20,16 +20,6 @@ from draft_service.types import Proposal, SamplingParams, SparseDist
 from tandem.tools.calibrate.run import CalibrateError, load_drafter
 from tandem.config import DraftSettings
 from tandem.models import ModelSpecError, is_model_free_draft, ngram_first_head
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_dir):
-    return load_tiny(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def head(llama, tmp_path_factory) -> Path:
-    return make_head(tmp_path_factory.mktemp("head"), llama)
 
 
 @pytest.fixture

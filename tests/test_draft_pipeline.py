@@ -14,8 +14,7 @@ import pytest
 import torch
 from draft_fakes import InMemoryVerifier, generate_greedy
 from scipy.stats import chisquare
-from test_draft_loop import PROMPT, collect, draft, near_target, run_inline, start_session, streamed, target  # noqa: F401
-from test_target_sampling import one_thread, small_vocab_target  # noqa: F401
+from test_draft_loop import PROMPT, collect, run_inline, start_session, streamed
 
 from draft_service.pipeline import PipelinedLoop
 from draft_service.proposers.hf import HfProposer

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
-from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel, tokenizer  # noqa: F401  (fixture)
+from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel
 from test_fleet_failover import make_deps, make_request, run
 
 from gateway.breaker import BreakerState

@@ -11,7 +11,6 @@ import pytest
 import torch
 from test_draft_eagle import load_eagle, target_info
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy
-from test_draft_ngram_first import head, llama  # noqa: F401 (fixtures)
 
 from draft_service.block_shape import CHAIN as BLOCK_CHAIN
 from draft_service.block_shape import TREE as BLOCK_TREE

@@ -19,13 +19,12 @@ from gateway.policy import SpeculationPolicy
 from gateway.pool import Pool
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
-from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
+from gateway_fakes import (
     SCRIPT_TEXT,
     InMemoryDraft,
     InMemoryStream,
     InMemoryTarget,
     ScriptedModel,
-    tokenizer,
 )
 from tandem.telemetry.metrics import make_metrics
 from tandem.v1 import draft_pb2

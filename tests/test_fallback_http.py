@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from gateway_fakes import SCRIPT_TEXT, fake_stack, tokenizer  # noqa: F401  (tokenizer is a fixture)
+from gateway_fakes import SCRIPT_TEXT, fake_stack
 
 
 async def completion(stack, body: dict) -> dict:

@@ -17,7 +17,7 @@ from gateway.policy import SpeculationPolicy
 from gateway.pool import Pool
 from gateway.request import GenerationRequest, SamplingParams, Speculation
 from gateway.served_model import ServedModel
-from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel, tokenizer  # noqa: F401
+from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel
 from tandem.telemetry.metrics import make_metrics
 from tandem.v1 import draft_pb2
 

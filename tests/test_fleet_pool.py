@@ -9,7 +9,6 @@ from gateway.breaker import BreakerConfig, DraftBreaker, DraftFailure
 from gateway.monitor import UpstreamMonitor
 from gateway.pool import Pool
 from gateway.served_model import ServedModel
-from gateway_fakes import tokenizer  # noqa: F401  (a fixture)
 from tandem.rpc import addresses
 from tandem.v1 import draft_pb2, target_pb2
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.auth import ApiKeys, key_id
 from gateway.errors import Unauthenticated
-from gateway_fakes import fake_stack, tokenizer  # noqa: F401  (a fixture)
+from gateway_fakes import fake_stack
 from tandem.config import ServeSettings
 from tandem.supervisor import child_commands
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gateway.chat_template import FALLBACK_STOP_STRINGS, ChatFormat, ChatMessage, ChatTemplateError
-from gateway_fakes import tokenizer  # noqa: F401  (fixture)
 
 MESSAGES = [ChatMessage("system", "You are terse."), ChatMessage("user", "Say hello.")]
 

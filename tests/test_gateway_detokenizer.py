@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway_fakes import SCRIPT_TEXT, tokenizer  # noqa: F401  (fixture)
+from gateway_fakes import SCRIPT_TEXT
 
 
 def detokenize(tok, ids, context=()):

@@ -14,13 +14,12 @@ from gateway.pool import Pool
 from gateway.request import GenerationRequest, SamplingParams, Speculation
 from gateway.served_model import ServedModel
 from tandem.telemetry.metrics import make_metrics
-from gateway_fakes import (  # noqa: F401  (tokenizer is a fixture)
+from gateway_fakes import (
     SCRIPT_TEXT,
     InMemoryDraft,
     InMemoryStream,
     InMemoryTarget,
     ScriptedModel,
-    tokenizer,
 )
 
 K = 4

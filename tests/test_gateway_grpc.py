@@ -12,14 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem.v1 import common_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from gateway_fakes import (  # noqa: F401  (stack and tokenizer are fixtures)
+from gateway_fakes import (
     SCRIPT_TEXT,
     FakeDraftServicer,
     fake_stack,
     serve_fake,
     speculations_cancelled,
-    stack,
-    tokenizer,
 )
 
 Request = gateway_pb2.GatewayServiceGenerateRequest

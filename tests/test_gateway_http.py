@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from gateway.chat_template import ChatFormat, ChatMessage
-from gateway_fakes import SCRIPT_TEXT, fake_stack, speculations_cancelled, stack, tokenizer  # noqa: F401  (fixtures)
+from gateway_fakes import SCRIPT_TEXT, fake_stack, speculations_cancelled
 
 CONTRACT_METRICS = [
     "tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",

@@ -11,7 +11,6 @@ from gateway.errors import InvalidRequest
 from gateway.request import Smoothing, Speculation
 from gateway.served_model import ServedModel
 from gateway.validation import COMPLETIONS_DEFAULT_MAX_TOKENS, RequestFields, RequestValidator
-from gateway_fakes import tokenizer  # noqa: F401  (fixture)
 
 CONTEXT = 64
 CHAT_DEFAULT = 32

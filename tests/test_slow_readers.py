@@ -10,7 +10,7 @@ import socket
 
 import grpc
 import httpx
-from gateway_fakes import fake_stack, tokenizer  # noqa: F401  (a fixture)
+from gateway_fakes import fake_stack
 
 from tandem.rpc import streams
 from tandem.v1 import gateway_pb2

@@ -26,23 +26,8 @@ Drafter = Callable[[list[int], int], list[int]]
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_dir):
-    return load_model(str(tiny_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def gemma(tiny_gemma_dir):
-    return load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def draft_model(tiny_draft_dir):
     return load_model(str(tiny_draft_dir), device="cpu", dtype="float32").model
-
-
-@pytest.fixture(params=["llama", "gemma3"])
-def target(request, llama, gemma):
-    return llama if request.param == "llama" else gemma
 
 
 def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
@@ -110,10 +95,10 @@ def model_drafter(model) -> Drafter:
 
 
 @pytest.mark.parametrize("drafter_kind", ["random", "draft-model", "oracle"])
-def test_greedy_verify_equals_transformers_generate(target, draft_model, drafter_kind) -> None:
-    engine = TargetEngine(target)
+def test_greedy_verify_equals_transformers_generate(llama_or_gemma, draft_model, drafter_kind) -> None:
+    engine = TargetEngine(llama_or_gemma)
     prompt = _prompt(0)
-    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    reference = hf_greedy(llama_or_gemma.model, prompt, NEW_TOKENS)
     drafter = {
         "random": random_drafter(1),
         "draft-model": model_drafter(draft_model),
@@ -127,17 +112,17 @@ def test_greedy_verify_equals_transformers_generate(target, draft_model, drafter
 
 @pytest.mark.parametrize("screened", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 7, PROMPT_LEN, 0])
-def test_chunked_prefill_equals_one_pass_and_transformers(target, chunk, screened) -> None:
+def test_chunked_prefill_equals_one_pass_and_transformers(llama_or_gemma, chunk, screened) -> None:
     """Chunks of any size (across the tiny Gemma's sliding window of 8, and one token at a time)
     give the same first token, prompt hidden states and greedy continuation as one pass, with
     the float32 LM head and with a screened one (forced on: the tiny heads are below its size
     threshold; chunks before the last are scored by neither)."""
     prompt = _prompt(3)
-    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
-    whole = TargetEngine(target, prefill_chunk_tokens=0).prefill("s", prompt, greedy(return_hidden_states=True))
-    engine = TargetEngine(target, prefill_chunk_tokens=chunk)
+    reference = hf_greedy(llama_or_gemma.model, prompt, NEW_TOKENS)
+    whole = TargetEngine(llama_or_gemma, prefill_chunk_tokens=0).prefill("s", prompt, greedy(return_hidden_states=True))
+    engine = TargetEngine(llama_or_gemma, prefill_chunk_tokens=chunk)
     if screened:
-        engine.runner.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
+        engine.runner.greedy_head = ScreenedArgmax(llama_or_gemma.model.get_output_embeddings().weight.detach())
     first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
     assert (first.token_id, first.committed_len) == (reference[0], PROMPT_LEN + 1)
     torch.testing.assert_close(first.hidden_states, whole.hidden_states, atol=1e-4, rtol=1e-4)
@@ -177,11 +162,11 @@ def test_a_session_id_taken_while_a_prefill_ran_is_refused_at_its_end(llama) -> 
     assert engine.store.live == 1
 
 
-def test_kv_budget_in_positions_matches_what_a_cache_really_holds(target) -> None:
+def test_kv_budget_in_positions_matches_what_a_cache_really_holds(llama_or_gemma) -> None:
     """The budget's bytes per position are what a session's cache takes (full history on every
     layer, the tiny Gemma's sliding layers included), and prefills past the budget are refused."""
-    per_position = kv_cache.bytes_per_position(target.model.config.get_text_config(), torch.float32)
-    engine = TargetEngine(target, kv_cache_bytes=per_position * (2 * (PROMPT_LEN + NEW_TOKENS) + 5))
+    per_position = kv_cache.bytes_per_position(llama_or_gemma.model.config.get_text_config(), torch.float32)
+    engine = TargetEngine(llama_or_gemma, kv_cache_bytes=per_position * (2 * (PROMPT_LEN + NEW_TOKENS) + 5))
     engine.prefill("a", _prompt(20), greedy())
     cache = engine.store.get("a").cache
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
@@ -204,21 +189,21 @@ def test_oracle_blocks_are_fully_accepted(llama) -> None:
     assert verdict.num_accepted == 5 and list(verdict.committed_token_ids) == reference[1:7]
 
 
-def test_mixed_verify_and_generate_in_one_session(target, draft_model) -> None:
-    engine = TargetEngine(target)
+def test_mixed_verify_and_generate_in_one_session(llama_or_gemma, draft_model) -> None:
+    engine = TargetEngine(llama_or_gemma)
     prompt = _prompt(2)
     engine.prefill("s", prompt, greedy())
     tokens = speculate(engine, "s", model_drafter(draft_model), k=3, generate_every=2)
-    assert tokens == hf_greedy(target.model, prompt, NEW_TOKENS)
+    assert tokens == hf_greedy(llama_or_gemma.model, prompt, NEW_TOKENS)
 
 
-def test_generate_alone_equals_transformers_generate(target) -> None:
-    engine = TargetEngine(target)
+def test_generate_alone_equals_transformers_generate(llama_or_gemma) -> None:
+    engine = TargetEngine(llama_or_gemma)
     prompt = _prompt(3)
     engine.prefill("s", prompt, greedy(12))
     result = engine.generate("s", 100)  # capped by the session's budget
     assert result.finish_reason == LENGTH and result.committed_len == PROMPT_LEN + 12
-    assert engine.store.get("s").tokens[PROMPT_LEN:] == hf_greedy(target.model, prompt, 12)
+    assert engine.store.get("s").tokens[PROMPT_LEN:] == hf_greedy(llama_or_gemma.model, prompt, 12)
 
 
 # --------------------------------------------------------------------------- protocol
@@ -346,10 +331,10 @@ def test_verify_metrics(llama) -> None:
     assert samples["tandem_verify_duration_seconds_count"] == 1
 
 
-def test_hidden_states_of_positions_written_to_the_cache(target) -> None:
-    engine = TargetEngine(target)
+def test_hidden_states_of_positions_written_to_the_cache(llama_or_gemma) -> None:
+    engine = TargetEngine(llama_or_gemma)
     prompt = _prompt(12)
-    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    reference = hf_greedy(llama_or_gemma.model, prompt, NEW_TOKENS)
     hidden_size = engine.info.hidden_size
     first = engine.prefill("s", prompt, greedy(return_hidden_states=True))
     assert first.hidden_states.shape == (PROMPT_LEN, hidden_size)
@@ -357,17 +342,17 @@ def test_hidden_states_of_positions_written_to_the_cache(target) -> None:
     n = len(verdict.committed_token_ids)
     assert n == 3 and verdict.hidden_states.shape == (n, hidden_size)
     with torch.inference_mode():  # the same states as one fresh pass over the sequence
-        out = target.model(torch.tensor([prompt + reference[:n]]), output_hidden_states=True)
+        out = llama_or_gemma.model(torch.tensor([prompt + reference[:n]]), output_hidden_states=True)
     fresh = out.hidden_states[-1][0]  # [PROMPT_LEN + n, hidden]
     torch.testing.assert_close(first.hidden_states, fresh[:PROMPT_LEN], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(verdict.hidden_states, fresh[PROMPT_LEN:], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hidden_states_per_block_and_empty_blocks(target, temperature) -> None:
+def test_hidden_states_per_block_and_empty_blocks(llama_or_gemma, temperature) -> None:
     """A block may ask for hidden states when the session was not prefilled asking for them; an
     empty block commits one token (a decode step) and returns the state that produced it."""
-    engine = TargetEngine(target)
+    engine = TargetEngine(llama_or_gemma)
     prompt = _prompt(15)
     config = greedy(temperature=temperature, seed=3)
     engine.prefill("s", prompt, config)
@@ -383,11 +368,11 @@ def test_hidden_states_per_block_and_empty_blocks(target, temperature) -> None:
     tokens = engine.store.get("s").tokens
     assert len(tokens) == PROMPT_LEN + 3 + n
     with torch.inference_mode():  # row i: the position whose logits produced committed token i
-        fresh = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        fresh = llama_or_gemma.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
     torch.testing.assert_close(asked.hidden_states, fresh[PROMPT_LEN + 1 : PROMPT_LEN + 2], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(block.hidden_states, fresh[PROMPT_LEN + 2 : PROMPT_LEN + 2 + n], atol=1e-4, rtol=1e-4)
     if temperature == 0.0:
-        assert list(tokens[PROMPT_LEN:]) == hf_greedy(target.model, prompt, len(tokens) - PROMPT_LEN)
+        assert list(tokens[PROMPT_LEN:]) == hf_greedy(llama_or_gemma.model, prompt, len(tokens) - PROMPT_LEN)
 
 
 def test_sampling_is_reproducible_per_seed(llama) -> None:

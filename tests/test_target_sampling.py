@@ -14,40 +14,22 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from model_fixtures import VOCAB  # the vocabulary of the small_vocab_target fixture
 from scipy.stats import chisquare
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kernels.reference import target_probs
-from tandem.models import LoadedModel
 from target_service.types import DraftBlock, SparseDist, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
-VOCAB = 5
 PROMPT = [1, 4, 2, 3]
 TRIALS = 2500
 # The draft's q at block positions 1 and 2: sparse, and unlike the target's p.
 Q = (SparseDist((0, 1, 2), (0.5, 0.3, 0.2)), SparseDist((3, 4), (0.7, 0.3)))
-
-
-@pytest.fixture(scope="module")
-def small_vocab_target(tiny_dir: Path) -> LoadedModel:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(11)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # spread the logits so p is far from uniform
-        model.lm_head.weight.mul_(10.0)
-    # Any tokenizer will do for the fingerprint; the vocabulary comes from the model config.
-    return LoadedModel("vocab5", model, AutoTokenizer.from_pretrained(tiny_dir), tiny_dir, "float32", "cpu")
 
 
 def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarray:
@@ -66,15 +48,6 @@ def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarr
         for t2 in range(VOCAB):
             joint[t1, t2] = p1[t1] * p2[t2] * p([t1, t2])
     return joint
-
-
-@pytest.fixture
-def one_thread():
-    """Thousands of passes of a 1-layer model: one thread is faster than two (no OpenMP barriers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from target_service import tree, wire
 from target_service.types import DraftBlock, SparseDist, VerdictStatus
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
-from test_target_engine import NEW_TOKENS, PROMPT_LEN, gemma, greedy, hf_greedy, llama, target  # noqa: F401
+from test_target_engine import NEW_TOKENS, PROMPT_LEN, greedy, hf_greedy
 from test_target_engine import _prompt as prompt_ids
 
 
@@ -50,16 +50,16 @@ def on_path(tokens: list[int], parents: list[int], accepted: list[int]) -> bool:
 
 
 @pytest.mark.parametrize("screened", [False, True])
-def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -> None:
+def test_tree_blocks_decode_exactly_the_target_greedy_output(llama_or_gemma, screened) -> None:
     """Random trees over a whole session: every verdict's accepted tokens are a root path of its
     tree, the cache keeps the engine's invariant, and the output is transformers' greedy decoding."""
-    engine = TargetEngine(target)
+    engine = TargetEngine(llama_or_gemma)
     if screened:  # the screened head's argmax path (the tiny head is below its size threshold otherwise)
         from tandem.cpu.screened_head import ScreenedArgmax
 
-        engine.runner.greedy_head = ScreenedArgmax(target.model.get_output_embeddings().weight.detach())
+        engine.runner.greedy_head = ScreenedArgmax(llama_or_gemma.model.get_output_embeddings().weight.detach())
     prompt = prompt_ids(0)
-    reference = hf_greedy(target.model, prompt, NEW_TOKENS)
+    reference = hf_greedy(llama_or_gemma.model, prompt, NEW_TOKENS)
     engine.prefill("s", prompt, greedy())
     session = engine.store.get("s")
     rng = random.Random(1)
@@ -82,13 +82,13 @@ def test_tree_blocks_decode_exactly_the_target_greedy_output(target, screened) -
     assert deepest >= 2  # some paths were accepted past their first node
 
 
-def test_the_accepted_path_leaves_the_cache_and_hidden_states_of_a_chain(target) -> None:
+def test_the_accepted_path_leaves_the_cache_and_hidden_states_of_a_chain(llama_or_gemma) -> None:
     """After a tree verdict whose path skips nodes, the cache holds exactly the committed tokens'
     keys and values: the next pass gives the logits of a fresh pass over the sequence, and the
     verdict's hidden states are the fresh pass's states for the committed positions."""
-    engine = TargetEngine(target)
+    engine = TargetEngine(llama_or_gemma)
     prompt = prompt_ids(3)
-    reference = hf_greedy(target.model, prompt, 8)
+    reference = hf_greedy(llama_or_gemma.model, prompt, 8)
     engine.prefill("s", prompt, greedy(return_hidden_states=True))
     wrong = [(reference[1] + 7) % 300, (reference[1] + 8) % 300]
     # root -> wrong0, root -> wrong1, root -> ref1 -> (wrong, ref2 -> ref3)
@@ -100,7 +100,7 @@ def test_the_accepted_path_leaves_the_cache_and_hidden_states_of_a_chain(target)
     sequence = prompt + reference[:5]
     assert session.tokens == sequence and session.cache.get_seq_length() == len(sequence) - 1
     with torch.inference_mode():
-        fresh = target.model(torch.tensor([sequence]), output_hidden_states=True)
+        fresh = llama_or_gemma.model(torch.tensor([sequence]), output_hidden_states=True)
     states = fresh.hidden_states[-1][0]  # [len(sequence), hidden]
     torch.testing.assert_close(verdict.hidden_states, states[PROMPT_LEN : PROMPT_LEN + 4], atol=1e-4, rtol=1e-4)
     chain = engine.verify(DraftBlock("s", len(sequence), (), block_id=1))  # one more row over the compacted cache
