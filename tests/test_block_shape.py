@@ -67,3 +67,54 @@ def test_what_cannot_be_a_round_is_refused_or_ignored() -> None:
     assert shapes.rates() == {TREE: None, CHAIN: None}
     with pytest.raises(ValueError):
         BlockShapes(window=0)
+
+
+async def test_the_draft_service_at_its_default_depth_chooses_shapes_and_cuts_chains(llama, head):
+    """The draft service as ``tandem draft`` runs it (pipeline depth 2, cut blocks, ngram+eagle with
+    measured trees) in front of the real target service: greedy output is the target's, both shapes
+    go out while the choice learns, verified rounds reach its tallies, and the block-length policy
+    learns pass costs from the pipelined loop."""
+    import grpc
+    from draft_fakes import generate_greedy
+    from test_draft_eagle import PROMPT
+
+    from draft_service.main import start_draft
+    from draft_service.proposers.eagle import EagleProposer
+    from draft_service.proposers.ngram import NgramProposer
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+    from tandem.models import tokenizer_fingerprint
+    from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+    from target_service.engine import TargetEngine
+    from target_service.main import start_target
+
+    n = 40
+    made = []
+
+    def proposer(info):
+        made.append(NgramFirstProposer(NgramProposer(), EagleProposer.load(head, llama.hf_dir, info), tree_nodes=5))
+        return made[-1]
+
+    target = await start_target(TargetEngine(llama))
+    address = f"127.0.0.1:{target.port}"
+    try:
+        draft = await start_draft(proposer, address, num_speculative_tokens=4, target_wait_s=10, pipeline_depth=2)
+        try:
+            fingerprint = tokenizer_fingerprint(llama.tokenizer)
+            params = common_pb2.SessionParams(max_new_tokens=n)
+            async with grpc.aio.insecure_channel(address) as channel:
+                first = await target_pb2_grpc.TargetServiceStub(channel).Prefill(target_pb2.PrefillRequest(
+                    session_id="shapes", prompt_token_ids=PROMPT, params=params, tokenizer_fingerprint=fingerprint))
+            request = draft_pb2.SpeculateRequest(session_id="shapes", token_ids=[*PROMPT, first.token_id],
+                                                 prompt_len=len(PROMPT), params=params, tokenizer_fingerprint=fingerprint)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
+                responses = [r async for r in draft_pb2_grpc.DraftServiceStub(channel).Speculate(request)]
+            lengths = draft.engine.block_lengths
+        finally:
+            await draft.stop(0)
+    finally:
+        await target.stop(0)
+    tokens = [first.token_id, *(t for r in responses for t in r.token_ids)]
+    assert tokens == generate_greedy(llama.model, PROMPT, n, llama.tokenizer.eos_token_id)
+    tallies = made[-1].block_shapes._tallies
+    assert all(len(tally.rounds) > 0 for tally in tallies.values())  # both shapes drafted and reported
+    assert lengths is not None and sum(len(s) for s in lengths.costs._samples.values()) > 0
