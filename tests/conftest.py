@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from tiny import make_tiny_model  # noqa: E402  (tests/ is on sys.path via this conftest)
+from tiny import make_tiny_model  # tests/ is on sys.path (this conftest's folder)
 
 # Fixtures shared by several test modules live in these helper modules (tests/ is on sys.path).
 pytest_plugins = ["gateway_fakes", "model_fixtures"]
