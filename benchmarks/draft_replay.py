@@ -9,7 +9,9 @@ proposer session is replayed against it in-process: propose, accept the longest 
 the target's tokens, commit what a verdict would commit (with the hidden-state rows a verdict
 carries). Greedy verification is deterministic, so the rounds are exactly the live ones. A token
 tree (``--draft-setting draft_tree_nodes=N``) accepts its longest root path equal to the target's
-tokens, and a round over its N nodes is priced as a pass over N + 1 tokens.
+tokens, and a round over its N nodes is priced as a pass over N + 1 tokens; whether a round drafts a
+tree or a chain is chosen from the modelled rates as live (``--draft-setting draft_trees=always``:
+trees wherever they can be drafted).
 
 Time is modelled, not measured end to end: a round costs the measured target pass over its
 1 + k tokens (median of several, on a context of the prompt's size), plus the drafter's own
@@ -183,6 +185,9 @@ def replay(
             committed += len(new)
             seconds += costs[len(drafts) + 1]
             rounds += 1
+            shapes = proposer.block_shapes  # trees or chains by measured rate (as live, one per service)
+            if shapes is not None and proposal.shape:
+                shapes.observe(proposal.shape, len(new), spent + costs[len(drafts) + 1])
             if lengths is not None and not tree:
                 lengths.observe(proposal.sources, accepted, len(drafts) + 1, costs[len(drafts) + 1], spent)
                 local.observe(proposal.sources, accepted)
