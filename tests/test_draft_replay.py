@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.types import Proposal
 
@@ -20,8 +21,9 @@ _spec.loader.exec_module(draft_replay)
 COSTS = {1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0}
 
 
-class Recording:
-    """A proposer that drafts a fixed guess and records every commit."""
+class Recording(Proposer):
+    """A proposer that drafts a fixed guess and records every commit (a real ``Proposer``, so the
+    replay sees the interface the draft service sees)."""
 
     def __init__(self, guess: Sequence[int]) -> None:
         self.guess = tuple(guess)
@@ -30,7 +32,7 @@ class Recording:
     def new_session(self, token_ids, sampling):
         proposer = self
 
-        class Session:
+        class Session(ProposerSession):
             def propose(self, k: int) -> Proposal:
                 return Proposal(proposer.guess[:k])
 
