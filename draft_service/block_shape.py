@@ -67,9 +67,13 @@ class _Tally:
 class BlockShapes:
     """Chooses the shape of the next block where a tree could be drafted, from measured rates."""
 
-    def __init__(self, window: int = WINDOW, min_rounds: int = MIN_ROUNDS, explore_every: int = EXPLORE_EVERY) -> None:
+    def __init__(
+        self, name: str = "", window: int = WINDOW, min_rounds: int = MIN_ROUNDS, explore_every: int = EXPLORE_EVERY
+    ) -> None:
+        """``name``: whose rounds these are ("greedy", "sampled"), for the log."""
         if window < 1 or min_rounds < 1 or explore_every < 0:
             raise ValueError("window and min_rounds must be >= 1, explore_every >= 0")
+        self.name = name
         self._tallies = {shape: _Tally(window) for shape in SHAPES}
         self._min_rounds = min(min_rounds, window)
         self._explore_every = explore_every
@@ -97,8 +101,9 @@ class BlockShapes:
     def _lead(self, shape: str, rates: dict[str, float], counts: dict[str, int]) -> None:
         self._leader = shape
         other = _other(shape)
-        log.info("block shape: %ss (%.1f tokens/s of round) over %ss (%.1f), from the last %d and %d rounds",
-                 shape, rates[shape], other, rates[other], counts[shape], counts[other])
+        log.info("block shape%s: %ss (%.1f tokens/s of round) over %ss (%.1f), from the last %d and %d rounds",
+                 f" of {self.name} sessions" if self.name else "", shape, rates[shape], other, rates[other],
+                 counts[shape], counts[other])
 
     def observe(self, shape: str, tokens: int, seconds: float) -> None:
         """A verified round of ``shape`` (as chosen) committed ``tokens`` in ``seconds`` (proposing

@@ -192,7 +192,7 @@ class DraftEngine:
                 lengths=self.block_lengths,
                 acceptance=acceptance,
                 hop=self._hops.setdefault(target_address, HopStats(always=self.pipeline_ahead == "always")),
-                shapes=self.proposer.block_shapes,
+                shapes=self.proposer.shapes_for(spec.sampling),
                 **pipelined,
             )
             async for result in loop.rounds():

@@ -182,8 +182,9 @@ class DraftSettings(_Base):
         5,
         ge=0,
         le=64,
-        description="in ngram+eagle, greedy sessions draft a token tree of at most this many nodes (the head's top "
-        "guesses and lookup's copy, best first by estimated path probability) instead of a chain (0 = chains)",
+        description="in ngram+eagle, sessions draft a token tree of at most this many nodes (the head's top "
+        "guesses and lookup's copy, best first by estimated path probability) instead of a chain (0 = chains); "
+        "greedy and sampled sessions alike, each measured apart with --draft-trees measured",
     )
     draft_tree_top_k: int = Field(
         2, ge=1, le=8, description="in a token tree, the head's most probable guesses each node branches into"

@@ -7,9 +7,9 @@ through the verifier's kernels (``target_service.verifier``), which handle greed
 alike. Both give the same tokens for a greedy session.
 
 Invariant: every token taken is distributed as the target's own choice after the tokens before
-it (speculative sampling for chains; greedy for trees), and a session's randomness is drawn from
-its own generator only, in the same order for the same call, so a seeded session repeats itself
-whatever else shares its passes.
+it (speculative sampling for chains; for trees, the target's own choice at each row walked), and
+a session's randomness is drawn from its own generator only, in the same order for the same call
+(and the same walk), so a seeded session repeats itself whatever else shares its passes.
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ def sample(verifier: Verifier, session: Session, scores: RowScores, vocab_size: 
     """One token from the target distribution at the last scored row."""
     if scores.argmax is not None:
         return int(scores.argmax[-1])
+    return _sample_row(verifier, session, scores.logits[-1:], vocab_size, device)
+
+
+def _sample_row(verifier: Verifier, session: Session, logits: torch.Tensor, vocab_size: int, device: str) -> int:
+    """A token drawn from the target distribution of one row's ``logits`` [1, vocab]."""
     _, draws = randomness(verifier, session, 0, vocab_size, device)  # no acceptance tests; the token's draw
     s = session.sampling
-    logits = scores.logits[-1:]  # [1, vocab]
     return int(verifier.sample_tokens(logits, s.temperature, s.top_p, s.top_k, draws)[0])
 
 
@@ -66,11 +70,30 @@ def accept_chain(
     return int(num_accepted[0]), int(next_token[0])
 
 
-def accept_tree(drafts: Sequence[int], parents: Sequence[int], scores: RowScores) -> tuple[list[int], int]:
+def accept_tree(
+    verifier: Verifier,
+    session: Session,
+    drafts: Sequence[int],
+    parents: Sequence[int],
+    scores: RowScores,
+    vocab_size: int,
+    device: str,
+) -> tuple[list[int], int]:
     """(the accepted drafts' indices, root first, and the next token) for a token tree from the
-    scores of its 1 + n rows ``[root, *drafts]``: row i + 1 scores the token after draft i's path."""
-    choices = scores.argmax if scores.argmax is not None else scores.logits.argmax(dim=-1)  # [1 + n]
-    return tree.greedy_path(drafts, parents, choices.tolist())
+    scores of its 1 + n rows ``[root, *drafts]``: row i + 1 scores the token after draft i's path.
+
+    Greedy: each row's argmax. Sampling: a token drawn from the target's distribution at each row
+    the walk reaches, one draw per row from the session's generator (``tree.walk``), so only the
+    rows on the accepted path (1 + its length) pay for a softmax over the vocabulary."""
+    if scores.argmax is not None:
+        return tree.greedy_path(drafts, parents, scores.argmax.tolist())
+    if bool(is_greedy(session.sampling.temperature)[0]):
+        return tree.greedy_path(drafts, parents, scores.logits.argmax(dim=-1).tolist())
+
+    def draw(row: int) -> int:
+        return _sample_row(verifier, session, scores.logits[row : row + 1], vocab_size, device)
+
+    return tree.walk(drafts, parents, draw)
 
 
 def greedy_chain(drafts: Sequence[int], targets: Sequence[int]) -> tuple[int, int]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.reference import is_greedy
 from tandem.telemetry.metrics import Metrics
 from target_service import acceptance, kv_cache, tree
 from target_service.types import (
@@ -149,12 +148,8 @@ class Planner:
         return Planned(block, step)
 
     def _plan_tree(self, block: DraftBlock, session: Session) -> Planned:
-        """A token tree's pass (``target_service.tree``): greedy sessions only, through the ragged
-        path (the only one that attends under a tree mask)."""
-        if not bool(is_greedy(session.sampling.temperature)[0]):
-            raise InvalidArgument(
-                "a token tree (draft_parents) is verified greedily; this session samples (send a chain)"
-            )
+        """A token tree's pass (``target_service.tree``), greedy or sampled, through the ragged path
+        (the only one that attends under a tree mask)."""
         if not self.runner.batched:
             raise InvalidArgument(
                 f"this target's attention ({self.runner.attention}) cannot verify token trees; send a chain"
@@ -215,7 +210,9 @@ class Planner:
         """Scores of the 1 + n rows [root, *drafts], hidden [1 + n, hidden]: row i + 1 scores the
         token after draft i's path. The accepted path's cache entries move right after the root."""
         session, drafts = planned.step.session, planned.step.token_ids[1:]
-        path, next_token = acceptance.accept_tree(drafts, planned.parents, scores)
+        path, next_token = acceptance.accept_tree(
+            self.runner.verifier, session, drafts, planned.parents, scores, self.info.vocab_size, self.runner.device
+        )
         tree.keep_path(session.cache, session.committed_len - 1, path)
         path_rows = None if hidden is None else hidden[[0, *(i + 1 for i in path)]]  # [1 + len(path), hidden]
         return self._ok_verdict(block, session, len(drafts), [drafts[i] for i in path], next_token, path_rows, started)

@@ -1,4 +1,4 @@
-"""Greedy verification of a token tree: which path the target agrees with, and the cache it leaves.
+"""Verification of a token tree: which path the target takes, and the cache it leaves.
 
 A chain block bets every draft on one continuation. A tree block spends the same pass on several:
 on a CPU a pass over up to ~6 rows costs what one row costs (the weights are read once either
@@ -8,17 +8,20 @@ token (the root). One pass runs the root and every draft under the ancestor mask
 ``root + depth`` (``target_service.ragged`` with ``parents``), so row i is the target's choice after
 the path root -> ... -> draft i, exactly what a chain of that path would give.
 
-The verdict walks from the root: the child whose token is the target's choice at the current node
-is accepted, and so on; the first node without such a child gives the next token (its own row's
-choice: the recovered token, or the bonus at a leaf). Every committed token is thus the target's
-greedy choice after the committed tokens before it: the output is the target's greedy decoding,
-whatever the tree. The pass appended every node to the cache; :func:`keep_path` moves the accepted
+The verdict walks from the root: the target chooses its token at the current node (greedy: the
+row's argmax; sampling: a draw from the row's distribution, fresh for each row walked), the child
+holding that token is accepted, and so on; the first node without such a child gives the next
+token (its own row's choice: the recovered token, or the bonus at a leaf). Every committed token is
+thus exactly the target's own choice after the committed tokens before it, whatever the tree:
+greedy output is the target's greedy decoding, and sampled output has the target's distribution
+(the tree's drafts are deterministic guesses, so a node's children are accepted with the
+probability the target gives them, the most any set of deterministic guesses can get). The pass appended every node to the cache; :func:`keep_path` moves the accepted
 path's entries right after the root and the engine's usual truncation drops the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -54,13 +57,20 @@ def within_depth(
 def greedy_path(tokens: Sequence[int], draft_parents: Sequence[int], choices: Sequence[int]) -> tuple[list[int], int]:
     """(the accepted drafts' indices, root first, and the next token) from the target's choice at
     each row of the pass (``choices``: ``1 + len(tokens)`` tokens, row 0 the root's)."""
+    return walk(tokens, draft_parents, lambda row: int(choices[row]))
+
+
+def walk(tokens: Sequence[int], draft_parents: Sequence[int], choose: Callable[[int], int]) -> tuple[list[int], int]:
+    """(the accepted drafts' indices, root first, and the next token), asking ``choose(row)`` for
+    the target's token at each row the walk reaches (row 0 the root's, row i + 1 draft i's), in
+    order from the root and once each: a sampled choice draws only for the rows on the path."""
     children: dict[int, dict[int, int]] = {}  # parent -> token -> draft index
     for i, (token, parent) in enumerate(zip(tokens, draft_parents)):
         children.setdefault(parent, {}).setdefault(token, i)
     path: list[int] = []
     node = ROOT
     while True:
-        choice = int(choices[node + 1])
+        choice = choose(node + 1)
         child = children.get(node, {}).get(choice)
         if child is None:
             return path, choice

@@ -100,7 +100,7 @@ def _check_tree(block: DraftBlock) -> None:
             raise InvalidArgument(f"draft_parents: token {token} appears twice under the same parent ({parent})")
         siblings.add((parent, token))
     if block.draft_probs:
-        raise InvalidArgument("a token tree (draft_parents) is verified greedily and carries no draft_probs")
+        raise InvalidArgument("a token tree (draft_parents) carries no draft_probs: its drafts are deterministic guesses")
 
 
 def _check_sparse_q(

@@ -154,7 +154,7 @@ async def speculate_in_process(loaded, proposer, n: int, k: int = 4, depth: int 
     verifier = EngineVerifier(engine)
     loop = (PipelinedLoop if depth > 1 else SpeculationLoop)(
         spec, proposer.new_session(committed, sampling_config), verifier, run_inline,
-        want_hidden_states=proposer.wants_hidden_states, shapes=proposer.block_shapes,
+        want_hidden_states=proposer.wants_hidden_states, shapes=proposer.shapes_for(sampling_config),
         **({"depth": depth} if depth > 1 else {}),
     )
     results = [r async for r in loop.rounds()]

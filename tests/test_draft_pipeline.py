@@ -170,6 +170,27 @@ async def test_measured_block_shapes_are_lossless_and_learn_from_the_rounds(targ
         assert reported < len(shaped)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_sampled_sessions_send_token_trees_and_a_seeded_session_repeats_itself(target, eagle_head, depth):
+    """Sampled sessions draft trees too (the target's draws walk them; the distribution:
+    tests/test_target_sampling.py): the loop runs them to the end, accepts root paths, and the
+    same seeds give the same tokens."""
+    from test_draft_eagle import load_eagle, speculate_in_process
+
+    from draft_service.proposers.ngram_first import NgramFirstProposer
+
+    n, eagle = 32, load_eagle(eagle_head, target)
+    runs = []
+    for _ in range(2):
+        proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, measure_shapes=False)
+        tokens, results, blocks = await speculate_in_process(target, proposer, n, k=3, depth=depth, temperature=0.8,
+                                                             seed=5)
+        assert results[-1].finish_reason is not FinishReason.NONE and any(block.proposal.parents for block in blocks)
+        assert all(not block.proposal.probs for block in blocks if block.proposal.parents)
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
 async def test_the_heads_rollout_reuses_what_it_predicted_and_is_bounded(
         target, eagle_head, monkeypatch):
     """The rollout reuses what the head predicted while drafting: tokens the head drafted itself

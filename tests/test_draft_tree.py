@@ -179,7 +179,7 @@ def test_an_unsure_head_leaves_the_tree_to_lookups_copy(eagle) -> None:
     assert tree == Proposal((guess, other, 7, guess), sources=(L,) * 4, parents=(-1, 0, 1, 2))
 
 
-def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> None:
+def test_chains_without_a_feature_and_by_default_trees_for_sampled_sessions_too(eagle) -> None:
     tree_proposer = NgramFirstProposer(NgramProposer(), eagle, tree_nodes=5, measure_shapes=False)
     fresh = tree_proposer.new_session([7, 8, 9, 7], SamplingParams())  # no verdict yet: no feature
     assert fresh.propose(3) == Proposal((8, 9, 7), sources=("lookup:1",) * 3)  # lookup's chain, as today
@@ -188,8 +188,11 @@ def test_chains_without_a_feature_for_sampled_sessions_and_by_default(eagle) -> 
 
     sampling = SamplingParams(temperature=1.0, seed=0)
     sampled = with_feature(tree_proposer, [5, 6, 7, 8, 9], sampling).propose(3)
+    greedy_tree = with_feature(tree_proposer, [5, 6, 7, 8, 9]).propose(3)
+    # The same deterministic guesses, with no q: the target draws its own token at each node.
+    assert sampled.parents and not sampled.probs and sampled == greedy_tree
     chain = with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9], sampling).propose(3)
-    assert sampled.parents == () and sampled.probs and sampled.token_ids == chain.token_ids
+    assert chain.parents == () and chain.probs  # a sampled chain carries the head's q
 
     assert with_feature(NgramFirstProposer(NgramProposer(), eagle), [5, 6, 7, 8, 9]).propose(3).parents == ()
     with pytest.raises(ValueError, match="tree_top_k"):
@@ -223,6 +226,10 @@ def test_a_measured_session_drafts_the_shape_chosen_and_names_it(eagle) -> None:
     # A cut chain keeps its shape (the loop reports the round under it).
     assert chain.cut(1).shape == BLOCK_CHAIN
     assert NgramFirstProposer(NgramProposer(), eagle).block_shapes is None  # chains only: nothing to choose
+    # Sampled sessions choose apart from greedy ones: their rounds commit at other rates.
+    sampled = proposer.shapes_for(SamplingParams(temperature=1.0, seed=0))
+    assert sampled is not None and sampled is not shapes and proposer.shapes_for(SamplingParams()) is shapes
+    assert with_feature(proposer, tokens, SamplingParams(temperature=1.0, seed=0)).propose(7).shape == BLOCK_TREE
 
 
 # --------------------------------------------------------------------------- the loop

@@ -2,8 +2,9 @@
 distribution over sequences.
 
 A random Llama with a 5-token vocabulary is the target. Each trial prefills a fresh session (its
-own seed), sends one block of 2 draft tokens sampled from a sparse q (different from p, partly
-outside p's support), and generates until 3 tokens are committed. The empirical joint
+own seed), sends one block (2 draft tokens sampled from a sparse q, different from p and partly
+outside p's support; or a fixed token tree of deterministic guesses) and generates until 3 tokens
+are committed. The empirical joint
 distribution of those 3 tokens (125 cells) is compared with the exact joint computed from full
 forward passes: chi-square goodness of fit (cells expecting < 5 pooled) with p-value > 1e-3, and
 total variation below 1.5x the mean TV of an exact sampler at that sample size. Seeds are fixed,
@@ -50,7 +51,20 @@ def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarr
     return joint
 
 
-def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+# A token tree of deterministic guesses: 0 and 2 after the root, 1 and 3 after 0, 4 after 2.
+TREE_TOKENS, TREE_PARENTS = (0, 2, 1, 3, 4), (-1, -1, 0, 0, 1)
+
+
+def chain_block(rng: random.Random, base_len: int) -> DraftBlock:
+    drafts = tuple(rng.choices(q.token_ids, weights=q.probs)[0] for q in Q)
+    return DraftBlock("s", base_len, drafts, draft_probs=Q)
+
+
+def tree_block(rng: random.Random, base_len: int) -> DraftBlock:
+    return DraftBlock("s", base_len, TREE_TOKENS, draft_parents=TREE_PARENTS)
+
+
+def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int, block=chain_block) -> np.ndarray:
     """Counts of the first 3 generated tokens over TRIALS speculative sessions."""
     rng = random.Random(0)
     counts = np.zeros((VOCAB,) * 3)
@@ -59,8 +73,7 @@ def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top
             max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial, ignore_eos=True
         )
         first = engine.prefill("s", PROMPT, config)
-        drafts = tuple(rng.choices(q.token_ids, weights=q.probs)[0] for q in Q)
-        verdict = engine.verify(DraftBlock("s", first.committed_len, drafts, draft_probs=Q))
+        verdict = engine.verify(block(rng, first.committed_len))
         assert verdict.status == VerdictStatus.OK
         engine.generate("s", 3)
         tokens = engine.store.get("s").tokens[len(PROMPT) :]
@@ -69,19 +82,11 @@ def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top
     return counts
 
 
-@pytest.mark.parametrize(
-    "temperature, top_p, top_k",
-    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
-)
-def test_speculative_sampling_matches_the_target_distribution(
-    small_vocab_target, one_thread, temperature, top_p, top_k
-) -> None:
-    engine = TargetEngine(small_vocab_target)
-    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
-    counts = sample_sequences(engine, temperature, top_p, top_k).ravel()
+def assert_matches(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square and TV checks of sampled ``counts`` against the ``expected`` joint (both raveled);
+    returns the mean TV of an exact sampler at this sample size."""
     assert counts.sum() == TRIALS
     assert counts[expected == 0].sum() == 0, "a sequence the target cannot produce was produced"
-
     expected_counts = expected * TRIALS
     big = expected_counts >= 5
     small = (expected_counts < 5) & (expected > 0)  # pooled into one cell
@@ -95,11 +100,46 @@ def test_speculative_sampling_matches_the_target_distribution(
     tv = 0.5 * np.abs(counts / TRIALS - expected).sum()
     mean_tv = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * TRIALS)) for p in expected)
     assert p_value > 1e-3 and tv < 1.5 * mean_tv, f"chi-square p={p_value:.2e}, TV={tv:.4f} (exact ~{mean_tv:.4f})"
-    # The test has power: the target spreads over many sequences, and committing the draft
-    # tokens unconditionally (t2 ~ q_1, t3 ~ q_2) would be far outside the TV bound.
-    assert abs(expected.sum() - 1) < 1e-6 and (expected > 0.01).sum() >= 20
+    assert abs(expected.sum() - 1) < 1e-6 and (expected > 0.01).sum() >= 20  # spread over many sequences
+    return mean_tv
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k",
+    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
+)
+def test_speculative_sampling_matches_the_target_distribution(
+    small_vocab_target, one_thread, temperature, top_p, top_k
+) -> None:
+    engine = TargetEngine(small_vocab_target)
+    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
+    counts = sample_sequences(engine, temperature, top_p, top_k).ravel()
+    mean_tv = assert_matches(counts, expected)
+    # The test has power: committing the draft tokens unconditionally (t2 ~ q_1, t3 ~ q_2) would be
+    # far outside the TV bound.
     naive = np.einsum("a,b,c->abc", expected.reshape((VOCAB,) * 3).sum((1, 2)), *(_dense(q) for q in Q)).ravel()
     assert 0.5 * np.abs(naive - expected).sum() > 3 * mean_tv
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k",
+    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
+)
+def test_sampled_token_trees_match_the_target_distribution(
+    small_vocab_target, one_thread, temperature, top_p, top_k
+) -> None:
+    """A sampled session's tree block: the target draws its token at each node on the walk and
+    follows the child holding it, so every committed token is the target's own draw."""
+    engine = TargetEngine(small_vocab_target)
+    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
+    counts = sample_sequences(engine, temperature, top_p, top_k, block=tree_block).ravel()
+    mean_tv = assert_matches(counts, expected)
+    # Power: a walk that took the root's first child whenever the target's draw was either child
+    # (ignoring which one was drawn) would be outside the TV bound (1.5x mean) by a margin.
+    biased = expected.reshape((VOCAB,) * 3).copy()
+    biased[0] += biased[2]  # the mass of sequences starting 2 moved onto ones starting 0
+    biased[2] = 0
+    assert 0.5 * np.abs(biased.ravel() - expected).sum() > 2 * mean_tv
 
 
 def _dense(q: SparseDist) -> np.ndarray:

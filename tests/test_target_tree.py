@@ -121,6 +121,8 @@ def test_tree_refusals(llama) -> None:
     engine = TargetEngine(llama)
     engine.prefill("g", prompt_ids(6), greedy())
     engine.prefill("t", prompt_ids(7), greedy(temperature=1.0, seed=1))
+    bad_sampled = {"no draft_probs": DraftBlock("t", PROMPT_LEN + 1, (1,), draft_probs=(SparseDist((1,), (1.0,)),),
+                                                draft_parents=(-1,))}
     bad = {
         "entries for": DraftBlock("g", PROMPT_LEN + 1, (1, 2), draft_parents=(-1,)),
         "earlier draft": DraftBlock("g", PROMPT_LEN + 1, (1, 2), draft_parents=(-1, 1)),
@@ -128,9 +130,8 @@ def test_tree_refusals(llama) -> None:
         "no draft_probs": DraftBlock(
             "g", PROMPT_LEN + 1, (1,), draft_probs=(SparseDist((1,), (1.0,)),), draft_parents=(-1,)
         ),
-        "verified greedily": DraftBlock("t", PROMPT_LEN + 1, (1, 2), draft_parents=(-1, -1)),
     }
-    for message, block in bad.items():
+    for message, block in [*bad.items(), *bad_sampled.items()]:
         with pytest.raises(InvalidArgument, match=message):
             engine.verify(block)
     for session_id in ("g", "t"):  # refused blocks changed nothing
@@ -152,6 +153,40 @@ def test_tree_helpers() -> None:
     assert tree.greedy_path([5, 7, 8], [-1, -1, 1], [7, 0, 9, 0]) == ([1], 9)
     assert tree.greedy_path([5, 7, 8], [-1, -1, 1], [7, 0, 8, 4]) == ([1, 2], 4)
     assert tree.greedy_path([5], [-1], [3, 0]) == ([], 3)
+
+
+def test_a_walk_asks_for_the_rows_on_its_path_only_in_order() -> None:
+    """A sampled walk draws at each row it reaches, root first, and at no other row."""
+    asked: list[int] = []
+    answers = {0: 7, 2: 8, 3: 4}  # root -> 7 (d1), d1 -> 8 (d2), d2 -> 4: no such child
+
+    def choose(row: int) -> int:
+        asked.append(row)
+        return answers[row]
+
+    assert tree.walk([5, 7, 8, 6], [-1, -1, 1, 0], choose) == ([1, 2], 4)
+    assert asked == [0, 2, 3]
+
+
+def test_sampled_tree_blocks_commit_a_root_path_and_a_seeded_session_repeats_itself(llama) -> None:
+    """Trees for a sampled session (the distribution: ``test_target_sampling``): each verdict
+    accepts a root path of its tree, and the same seed and blocks give the same tokens."""
+    prompt = prompt_ids(5)
+    runs, accepted = [], 0
+    for _ in range(2):
+        engine = TargetEngine(llama)
+        engine.prefill("s", prompt, greedy(temperature=0.02, seed=3, max_new_tokens=16))
+        session = engine.store.get("s")
+        rng = random.Random(9)
+        while not session.finished:
+            likely = hf_greedy(llama.model, session.tokens, 6)  # guesses the target often draws at T=0.02
+            tokens, parents = random_tree(rng, likely, 6)
+            verdict = engine.verify(DraftBlock("s", session.committed_len, tuple(tokens), draft_parents=tuple(parents)))
+            assert verdict.status == VerdictStatus.OK
+            assert on_path(tokens, parents, list(verdict.committed_token_ids[: verdict.num_accepted]))
+            accepted += verdict.num_accepted
+        runs.append(session.tokens)
+    assert runs[0] == runs[1] and accepted > 0
 
 
 def test_trees_through_tandem_tree_attention(tiny_gemma_dir) -> None:

@@ -88,9 +88,15 @@ class Proposer(ABC):
 
     @property
     def block_shapes(self) -> BlockShapes | None:
-        """Where it chooses between token trees and chains by measured rates, the tallies the
-        speculation loops report verified rounds of a chosen shape to (``Proposal.shape``)."""
+        """Where it chooses between token trees and chains by measured rates, the tallies of its
+        greedy sessions, which the speculation loops report verified rounds of a chosen shape to
+        (``Proposal.shape``)."""
         return None
+
+    def shapes_for(self, sampling: SamplingParams) -> BlockShapes | None:
+        """The shape tallies of sessions that decode with ``sampling`` (``block_shapes`` for
+        greedy ones): greedy and sampled rounds commit at rates too different to share one."""
+        return self.block_shapes if sampling.greedy else None
 
     @abstractmethod
     def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> ProposerSession:

@@ -175,10 +175,13 @@ class NgramFirstSession(ProposerSession):
         tree_top_k: int = 2,
         shapes: BlockShapes | None = None,
     ) -> None:
-        """``tree_nodes``: most nodes of a token tree (0 = chains; give 0 for sampled sessions, the
-        target verifies trees greedily only); ``tree_top_k``: the head's guesses per tree node;
-        ``shapes``: the service's measured choice between a tree and a chain (None: a tree wherever
-        one can be drafted)."""
+        """``tree_nodes``: most nodes of a token tree (0 = chains); ``tree_top_k``: the head's
+        guesses per tree node; ``shapes``: the service's measured choice between a tree and a chain
+        for sessions that sample as this one does (None: a tree wherever one can be drafted).
+
+        A tree's nodes are deterministic guesses, greedy and sampled sessions alike: the target
+        draws its own token at each node it walks and follows the child holding it, so a sampled
+        tree needs no q (``target_service.tree``)."""
         self._ngram = ngram
         self._eagle = eagle
         self._head_k = head_k  # most drafts a head block makes (0 = the block's own K)
@@ -306,7 +309,9 @@ class NgramFirstProposer(Proposer):
         self.overrule_confidence = overrule_confidence
         self.tree_nodes = tree_nodes  # 0 = chains
         self.tree_top_k = tree_top_k
-        self._shapes = BlockShapes() if tree_nodes and measure_shapes else None
+        measured = bool(tree_nodes and measure_shapes)
+        self._shapes = BlockShapes("greedy") if measured else None
+        self._sampled_shapes = BlockShapes("sampled") if measured else None
 
     @property
     def model_name(self) -> str:
@@ -333,6 +338,9 @@ class NgramFirstProposer(Proposer):
     def block_shapes(self) -> BlockShapes | None:
         return self._shapes
 
+    def shapes_for(self, sampling: SamplingParams) -> BlockShapes | None:
+        return self._shapes if sampling.greedy else self._sampled_shapes
+
     @property
     def acceptance_prior(self) -> AcceptancePrior | None:
         """The head's: it was measured with lookup drafting beside the head (lookup and copy sources too)."""
@@ -344,10 +352,9 @@ class NgramFirstProposer(Proposer):
             self.eagle.new_session(token_ids, sampling),
             self.head_k,
             self.overrule_confidence,
-            # The target verifies trees greedily only: sampled sessions draft chains.
-            self.tree_nodes if sampling.greedy else 0,
+            self.tree_nodes,
             self.tree_top_k,
-            self._shapes,
+            self.shapes_for(sampling),
         )
 
     def warm_up(self) -> None:
