@@ -292,9 +292,9 @@ class NgramFirstProposer(Proposer):
         tree_top_k: int = 2,
         measure_shapes: bool = True,
     ) -> None:
-        """``measure_shapes``: with ``tree_nodes`` > 0, greedy blocks are trees or chains by which
-        commits more tokens per second of round here (``draft_service.block_shape``); False: trees
-        wherever one can be drafted."""
+        """``measure_shapes``: with ``tree_nodes`` > 0, blocks are trees or chains by which commits
+        more tokens per second of round here (``draft_service.block_shape``), measured apart for
+        greedy and sampled sessions; False: trees wherever one can be drafted."""
         if head_k < 0:
             raise ValueError(f"head_k must be >= 0, got {head_k}")
         if not 0.0 <= overrule_confidence <= 1.0:
@@ -331,8 +331,8 @@ class NgramFirstProposer(Proposer):
             return "chains"
         trees = f"token trees of up to {self.tree_nodes} nodes (top-{self.tree_top_k})"
         if self._shapes is not None:
-            return f"{trees} or chains for greedy sessions, whichever measures faster; else chains"
-        return f"{trees} for greedy sessions, else chains"
+            return f"{trees} or chains, whichever measures faster (greedy and sampled sessions apart)"
+        return trees
 
     @property
     def block_shapes(self) -> BlockShapes | None:
