@@ -86,9 +86,9 @@ async def start_draft(
     target_wait_s: float | None = 60.0,
     cut_blocks: bool = True,
     security: HopSecurity = PLAINTEXT,
-    pipeline_depth: int = 1,
-    pipeline_hedges: int = 1,
-    pipeline_ahead: str = "measured",
+    pipeline_depth: int = DraftSettings.model_fields["pipeline_depth"].default,
+    pipeline_hedges: int = DraftSettings.model_fields["pipeline_hedges"].default,
+    pipeline_ahead: str = DraftSettings.model_fields["pipeline_ahead"].default,
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
@@ -96,6 +96,8 @@ async def start_draft(
     Raises ValueError for a malformed list, TokenizerMismatchError, TargetUnavailableError (after
     ``target_wait_s``; None waits forever) or the proposer's loading error, after stopping what it
     had started. ``security``: the TLS and internal token of its own port and of its calls to the targets.
+    The pipeline's defaults are ``tandem draft``'s (``DraftSettings``), so a service started here runs
+    the loop the command runs.
     """
     targets = TargetRouter(target_address, connect=functools.partial(TargetClient, security=security))
     server = make_server([*security.interceptors(SERVICE_NAME),

@@ -90,7 +90,7 @@ async def test_pipelined_speculation_over_grpc_equals_generate(target, monkeypat
     served = await start_target(TargetEngine(target))
     address = f"127.0.0.1:{served.port}"
     drafting = await start_draft(lambda info: HfProposer(target), address, num_speculative_tokens=4,
-                                 target_wait_s=10, pipeline_depth=2)
+                                 target_wait_s=10, pipeline_depth=2, pipeline_hedges=1)  # no hedges: none goes stale
     try:
         request = await prefill(address, target, "piped", n)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{drafting.port}") as channel:
