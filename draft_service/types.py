@@ -35,8 +35,8 @@ class Proposal:
     token_ids: tuple[int, ...] = ()
     probs: tuple[SparseDist, ...] = ()
     sources: tuple[str, ...] = ()
-    # A token tree (greedy only): the parent of each draft, an earlier index or -1 for the last
-    # committed token. Empty: a chain.
+    # A token tree (its drafts are deterministic guesses: no probs): the parent of each draft, an
+    # earlier index or -1 for the last committed token. Empty: a chain.
     parents: tuple[int, ...] = ()
     # "tree" or "chain" where the draft service chose this block's shape from measured rates
     # (draft_service.block_shape), which the verdict then reports back to; "" where nothing was chosen.
