@@ -49,7 +49,7 @@ class Proposal:
             if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):
                 raise ValueError(f"tree parents must name an earlier draft or -1, got {list(self.parents)}")
             if self.probs:
-                raise ValueError("a token tree is drafted greedily: it carries no q")
+                raise ValueError("a token tree carries no q: its drafts are deterministic guesses")
         if self.probs and len(self.probs) != len(self.token_ids):
             raise ValueError(f"{len(self.probs)} distributions for {len(self.token_ids)} draft tokens")
         if self.sources and len(self.sources) != len(self.token_ids):
