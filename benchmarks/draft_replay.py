@@ -11,7 +11,8 @@ carries). Greedy verification is deterministic, so the rounds are exactly the li
 tree (``--draft-setting draft_tree_nodes=N``) accepts its longest root path equal to the target's
 tokens, and a round over its N nodes is priced as a pass over N + 1 tokens; whether a round drafts a
 tree or a chain is chosen from the modelled rates as live (``--draft-setting draft_trees=always``:
-trees wherever they can be drafted).
+trees wherever they can be drafted). With ``--cut on`` the block-length policy cuts trees to their
+first nodes and learns from their verdicts as it does from chains'.
 
 Time is modelled, not measured end to end: a round costs the measured target pass over its
 1 + k tokens (median of several, on a context of the prompt's size), plus the drafter's own
@@ -43,7 +44,12 @@ warmed one does:
         --draft-setting draft_tree_nodes=0 \\
         --cache /tmp/distill-48.pt --save-prior tandem/data/eagle/gemma-3-270m/acceptance.json
 
-(with chains: the block-length policy, and so the prior, learns nothing from token trees).
+That run drafts chains only; the tree nodes' sources come from a second one, written over the
+first's file for those sources alone:
+
+    python benchmarks/draft_replay.py --drafts auto -k 7 --cut on --prompts distill:48 \\
+        --draft-setting draft_trees=always --prior-sources tree: \\
+        --cache /tmp/distill-48.pt --save-prior tandem/data/eagle/gemma-3-270m/acceptance.json
 """
 
 from __future__ import annotations
@@ -61,8 +67,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from draft_service.block_length import AcceptanceTally, BlockLengthPolicy, save_prior
-from draft_service.loop import root_path_length
+from draft_service.block_length import AcceptancePrior, AcceptanceTally, BlockLengthPolicy, load_prior, save_prior
+from draft_service.loop import root_path
 from draft_service.proposers import make_proposer
 from draft_service.types import SamplingParams, TargetInfo
 from tandem.tools.bench.prompts import Prompt, load_prompts
@@ -173,12 +179,12 @@ def replay(
             seconds += spent
             if propose_times is not None:
                 propose_times.append(spent)
-            tree = bool(proposal.parents)  # sent whole, and the policy learns nothing from it (as live)
-            if lengths is not None and proposal.sources and not tree:
-                proposal = proposal.cut(lengths.length(proposal.sources, local))
+            if lengths is not None and proposal.sources:  # chains and trees alike, as live
+                proposal = proposal.cut(lengths.length(proposal.sources, local, parents=proposal.parents))
             drafts = proposal.token_ids
             # The target's greedy verdict: the longest root path (of a chain: prefix) it agrees with.
-            accepted = root_path_length(proposal, ids[committed : committed + len(drafts)])
+            path = root_path(proposal, ids[committed : committed + len(drafts)])
+            accepted = len(path)
             new = ids[committed : committed + accepted + 1]
             # Row i of a verdict's hidden states produced committed token i: position - 1.
             session.commit(committed, new, hidden[committed - 1 : committed - 1 + len(new)])
@@ -188,9 +194,10 @@ def replay(
             shapes = proposer.block_shapes  # trees or chains by measured rate (as live, one per service)
             if shapes is not None and proposal.shape:
                 shapes.observe(proposal.shape, len(new), spent + costs[len(drafts) + 1])
-            if lengths is not None and not tree:
-                lengths.observe(proposal.sources, accepted, len(drafts) + 1, costs[len(drafts) + 1], spent)
-                local.observe(proposal.sources, accepted)
+            if lengths is not None and proposal.sources:
+                lengths.observe(proposal.sources, accepted, len(drafts) + 1, costs[len(drafts) + 1], spent,
+                                parents=proposal.parents, path=path)
+                local.observe(proposal.sources, accepted, proposal.parents, path)
     finally:
         session.close()
     return end - plen - 1, rounds, seconds
@@ -207,6 +214,17 @@ def distill_prompts(spec: str) -> list[Prompt]:
     count, _, seed = spec.removeprefix(DISTILL_PREFIX).partition(":")
     stream = generation_prompts(int(seed or 0), heldout=True, code_prefix_share=0.5)
     return [Prompt("distill", next(stream)) for _ in range(int(count))]
+
+
+def write_prior(path: Path, rates: AcceptancePrior, measured_on: str, sources: str | None) -> None:
+    """Saves ``rates``; with ``sources`` (a prefix) only theirs, over the other sources' rates
+    (and provenance) already in ``path``."""
+    if sources is not None and path.exists():
+        kept = {key: rate for key, rate in load_prior(path).items() if not key[0].startswith(sources)}
+        old = json.loads(path.read_text()).get("measured_on", "")
+        rates = {**kept, **{key: rate for key, rate in rates.items() if key[0].startswith(sources)}}
+        measured_on = f"{old}; {sources}* sources: {measured_on}"
+    save_prior(path, rates, measured_on=measured_on)
 
 
 def main() -> None:
@@ -238,10 +256,16 @@ def main() -> None:
         "--save-prior", type=Path, default=None, metavar="FILE",
         help="write the acceptance the block-length policy learned (one drafter, one K, --cut on)",
     )
+    parser.add_argument(
+        "--prior-sources", default=None, metavar="PREFIX",
+        help="with --save-prior: write only the sources starting with PREFIX (e.g. 'tree:') and keep FILE's others",
+    )
     parser.add_argument("--no-prior", action="store_true", help="start the block-length policy without the drafter's prior")
     args = parser.parse_args()
     if args.save_prior is not None and (len(args.drafts) != 1 or len(args.num_speculative_tokens) != 1 or args.cut != "on"):
         parser.error("--save-prior measures one drafter at one K with --cut on")
+    if args.prior_sources is not None and args.save_prior is None:
+        parser.error("--prior-sources selects what --save-prior writes")
     overrides = dict(item.split("=", 1) for item in args.draft_setting)
 
     loaded = load_model(args.target_model, device="cpu")
@@ -306,7 +330,8 @@ def main() -> None:
             if args.save_prior is not None and lengths is not None:
                 measured = f"benchmarks/draft_replay.py --drafts {spec} -k {k} --prompts {args.prompts or 'bench'}" + "".join(
                     f" --draft-setting {name}={value}" for name, value in overrides.items())
-                save_prior(args.save_prior, lengths.acceptance.rates(), measured_on=f"{len(runs)} prompts: {measured}")
+                write_prior(args.save_prior, lengths.acceptance.rates(), f"{len(runs)} prompts: {measured}",
+                            args.prior_sources)
             order = ["all", *sorted(d for d in cells if d != "all")]
             print(
                 f"{spec:>14} K={k}{' cut' if cut else ''} (draft {propose_ms:.2f} ms/round): "

@@ -25,6 +25,10 @@ number of committed tokens per second of the round peaks:
   round trip to the session's target beyond its pass (measured per target, ``draft_service.hop``),
   so blocks grow with the distance to the target where acceptance allows.
 
+A token tree is cut the same way to its first L nodes (grown best first, they are its L most
+probable paths): there the product runs over a node's path from the root, not over every draft
+before it.
+
 The numerator is the tokens a round commits in expectation (the accepted drafts plus the target's
 own token), so cutting never changes which tokens are committed, only how many rounds it takes:
 greedy output stays the target's, and a sampled block cut short is still verified exactly.
@@ -43,6 +47,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tandem.rpc.token_tree import ROOT, depths
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +119,25 @@ class AcceptanceTally:
         count = self._counts.get(_key(source, depth)) or _Count()
         return (count.accepted + weight * prior) / (count.offered + weight)
 
-    def observe(self, sources: Sequence[str], num_accepted: int) -> None:
-        """Drafts before ``num_accepted`` were accepted, the one at it was rejected, later ones
-        were never judged (the target stops at the first rejection)."""
-        for depth, source in enumerate(sources[: num_accepted + 1]):
-            count = self._counts.setdefault(_key(source, depth), _Count())
-            count.offered += 1
-            count.accepted += depth < num_accepted
+    def observe(self, sources: Sequence[str], num_accepted: int, parents: Sequence[int] = (),
+                path: Sequence[int] = ()) -> None:
+        """A chain: drafts before ``num_accepted`` were accepted, the one at it was rejected, later
+        ones were never judged (the target stops at the first rejection). A tree (``parents``): the
+        nodes of ``path`` (the accepted root path, root first) were accepted; every other child of
+        the root or of a path node was judged and rejected; the rest were never judged. A node at
+        depth d counts where a chain's draft d does."""
+        if not parents:
+            for depth, source in enumerate(sources[: num_accepted + 1]):
+                count = self._counts.setdefault(_key(source, depth), _Count())
+                count.offered += 1
+                count.accepted += depth < num_accepted
+            return
+        taken = set(path)
+        for node, (source, parent, depth) in enumerate(zip(sources, parents, depths(parents))):
+            if parent == ROOT or parent in taken:
+                count = self._counts.setdefault(_key(source, depth - 1), _Count())
+                count.offered += 1
+                count.accepted += node in taken
 
 
 def _key(source: str, depth: int) -> tuple[str, int]:
@@ -213,14 +231,19 @@ class BlockLengthPolicy:
         self._rounds = 0
 
     def length(self, sources: Sequence[str], session: AcceptanceTally | None = None,
-               transport_s: float | None = None) -> int:
+               transport_s: float | None = None, parents: Sequence[int] = ()) -> int:
         """How many of the drafts named by ``sources`` to send (all of them until costs are known).
 
         A round is priced as the target's pass over its rows plus the hop: ``transport_s``, the
         round trip to the session's target beyond its pass (``draft_service.hop``, measured per
         target), else the service's own median. The hop is paid once a round whatever the length,
-        so the farther the target, the longer the block that pays best."""
+        so the farther the target, the longer the block that pays best.
+
+        A token tree (``parents``) is cut to its first nodes the same way: a node is worth the
+        chance that the target takes its path (its own rate times its parent's chance), and the
+        first n nodes of a tree grown best-first are a tree of its most probable ones."""
         n = len(sources)
+        parents = parents or range(-1, n - 1)  # a chain: each draft under the one before
         medians = self.costs.medians()
         if n == 0 or not medians:
             return n
@@ -232,15 +255,18 @@ class BlockLengthPolicy:
             transport_s = statistics.median(self._transport_seconds) if self._transport_seconds else 0.0
         overhead += transport_s
         best_length, best_rate = n, -1.0
-        expected, reach = 1.0, 1.0  # tokens committed in expectation; chance all drafts so far pass
+        expected = 1.0  # tokens committed in expectation
+        reach: list[float] = []  # the chance the target takes each draft's path
+        levels = depths(parents)
         for length in range(n + 1):
             if length:
-                source, depth = sources[length - 1], length - 1
+                node = length - 1
+                source, depth, parent = sources[node], levels[node] - 1, parents[node]
                 p = self.acceptance.estimate(source, depth)
                 if session is not None:
                     p = session.blended(source, depth, p, SESSION_PRIOR_WEIGHT)
-                reach *= p
-                expected += reach
+                reach.append(p * (reach[parent] if parent != ROOT else 1.0))
+                expected += reach[-1]
             seconds = self.costs.estimate(length + 1, medians) + overhead
             rate = expected / seconds if seconds > 0 else float("inf")
             if rate > best_rate:
@@ -249,16 +275,16 @@ class BlockLengthPolicy:
 
     def observe(
         self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float | None, propose_seconds: float,
-        verify_seconds: float = 0.0,
+        verify_seconds: float = 0.0, parents: Sequence[int] = (), path: Sequence[int] = (),
     ) -> None:
         """A verdict of a block of ``rows - 1`` drafts (named by ``sources``, when the proposer
         names them) that took ``seconds`` from sending to verdict, of which the target's pass took
         ``verify_seconds`` (0: not reported, the whole round counts as the pass), and
         ``propose_seconds`` to draft. ``seconds`` None: the block went out while another was in
         flight (``draft_service.pipeline``), so its wait says nothing about the hop; only its pass
-        is learned."""
+        is learned. A tree's verdict names its ``parents`` and accepted ``path`` (node indices)."""
         if sources:
-            self.acceptance.observe(sources, num_accepted)
+            self.acceptance.observe(sources, num_accepted, parents, path)
         if seconds is None:
             if verify_seconds > 0.0:
                 self.costs.observe(rows, verify_seconds)

@@ -35,19 +35,27 @@ MAX_STALE_RETRIES = 3
 
 def root_path_length(proposal: Proposal, tokens: Sequence[int]) -> int:
     """How many of ``tokens`` the proposal drafted in a row from the last committed token: the
-    longest prefix of ``tokens`` that is a path from the root of its tree (of a chain: its prefix).
+    longest prefix of ``tokens`` that is a path from the root of its tree (of a chain: its prefix)."""
+    return len(root_path(proposal, tokens))
+
+
+def root_path(proposal: Proposal, tokens: Sequence[int]) -> list[int]:
+    """The drafts (indices, root first) of the longest prefix of ``tokens`` that is a path from the
+    root of the proposal's tree (of a chain: its prefix).
 
     Siblings carry distinct tokens, so each token names at most one child to step to.
     """
     drafts = proposal.token_ids
     parents = proposal.parents or tuple(range(-1, len(drafts) - 1))
+    path: list[int] = []
     node = -1
-    for length, token in enumerate(tokens):
+    for token in tokens:
         # Children follow their parent in the block.
         node = next((i for i in range(node + 1, len(drafts)) if parents[i] == node and drafts[i] == token), None)
         if node is None:
-            return length
-    return len(tokens)
+            break
+        path.append(node)
+    return path
 
 
 class BlockVerifier(Protocol):
@@ -131,13 +139,12 @@ class SpeculationLoop:
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
             proposed = self._clock()
-            # A token tree is sent whole and learned from by no one: the policy's sources and
-            # depths describe chains (a tree's accepted path is not a prefix of its nodes).
-            learns = self._lengths is not None and not proposal.parents
+            learns = self._lengths is not None
             sources = ()
-            if learns and proposal.sources:
+            if learns and proposal.sources:  # a chain cut to its best length, a tree to its best nodes
                 sources = tuple(self._source_prefix + source for source in proposal.sources)
-                proposal = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s()))
+                proposal = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s(),
+                                                             parents=proposal.parents))
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             asked = self._clock()
             verdict = await self._verify(base_len, proposal)
@@ -150,7 +157,8 @@ class SpeculationLoop:
                 self._hop.observe_exchange(answered - asked, verdict.verify_seconds)
             if learns and verdict.status is VerdictStatus.OK:
                 sent = sources[: len(proposal.token_ids)]
-                self.acceptance.observe(sent, verdict.num_accepted)
+                path = root_path(proposal, verdict.committed_token_ids[: verdict.num_accepted])
+                self.acceptance.observe(sent, verdict.num_accepted, proposal.parents, path)
                 self._lengths.observe(
                     sent,
                     verdict.num_accepted,
@@ -158,6 +166,8 @@ class SpeculationLoop:
                     seconds=answered - asked,
                     propose_seconds=proposed - started,
                     verify_seconds=verdict.verify_seconds,
+                    parents=proposal.parents,
+                    path=path,
                 )
             if verdict.status is VerdictStatus.FINISHED:
                 yield RoundResult(

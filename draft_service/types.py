@@ -106,12 +106,15 @@ class Proposal:
         return Proposal(tuple(tokens), sources=tuple(sources), parents=tuple(parents))
 
     def cut(self, length: int) -> Proposal:
-        """The first ``length`` drafts (with their q and sources)."""
+        """The first ``length`` drafts (with their q and sources); of a tree, its first ``length``
+        nodes, itself a tree (a node's parent comes before it) of the most probable ones where the
+        tree was grown best-first."""
         if length >= len(self.token_ids):
             return self
-        if self.parents:
-            raise ValueError("a token tree is not cut by length")
-        return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length], shape=self.shape)
+        if self.parents and length == 0:
+            return Proposal(shape=self.shape)
+        return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length], self.parents[:length],
+                        self.shape)
 
 
 @dataclass(frozen=True)

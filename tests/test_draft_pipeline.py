@@ -459,8 +459,8 @@ async def test_the_loop_measures_the_hop_and_teaches_the_block_length_policy(tar
     hop, lengths = HopStats(), BlockLengthPolicy(explore_every=0)
     priced = []
     length = lengths.length
-    lengths.length = lambda sources, session=None, transport_s=None: priced.append(transport_s) or length(
-        sources, session, transport_s)
+    lengths.length = lambda sources, session=None, transport_s=None, parents=(): priced.append(transport_s) or length(
+        sources, session, transport_s, parents)
     # The target's own weights draft: every assumption holds, so blocks go out ahead and are verified.
     session = HfProposer(target).new_session(committed, SamplingParams())
     if pipelined:

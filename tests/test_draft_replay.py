@@ -63,7 +63,7 @@ def test_rounds_commit_the_accepted_prefix_plus_one_with_the_verdicts_hidden_row
     assert COSTS[4] + COSTS[2] + COSTS[1] <= seconds < COSTS[4] + COSTS[2] + COSTS[1] + 0.5  # + propose time
 
 
-def test_a_tree_commits_its_longest_agreeing_root_path_is_priced_by_its_nodes_and_never_cut() -> None:
+def test_a_tree_commits_its_longest_agreeing_root_path_is_priced_by_its_nodes_and_teaches_the_policy() -> None:
     ids = [1, 2, 3, 10, 11, 12, 13, 14, 15]
     # 11 and 99 under the last committed token, 12 under 11: the target's 11 12 is a root path.
     tree = Proposal((99, 11, 12), sources=("tree:head",) * 3, parents=(-1, -1, 1))
@@ -77,13 +77,15 @@ def test_a_tree_commits_its_longest_agreeing_root_path_is_priced_by_its_nodes_an
 
     proposer.new_session = new_session
     lengths = draft_replay.BlockLengthPolicy()
-    lengths.costs.observe(2, 1.0)  # costs known: the policy would cut a chain
+    for _ in range(3):
+        lengths.costs.observe(2, 1.0)  # every width costs the same: no node is cut
     tokens, rounds, seconds = draft_replay.replay(proposer, run(ids, 3, 6), 3, COSTS, lengths=lengths)
     assert proposer.commits[0] == (4, (11, 12, 13), (3, 4, 5))
     assert [c[1] for c in proposer.commits] == [(11, 12, 13), (14,), (15,)]
     assert (tokens, rounds) == (5, 3)
     assert COSTS[4] + 2 * COSTS[1] <= seconds < COSTS[4] + 2 * COSTS[1] + 0.5  # 3 nodes: a pass over 4 tokens
-    assert not lengths.acceptance.rates(min_offered=1)  # the policy learned nothing from the tree
+    # It learned the tree's verdict: 99 and 11 judged at the root (11 taken), 12 under 11 taken.
+    assert lengths.acceptance.rates(min_offered=1) == {("tree:head", 0): 0.5, ("tree:head", 1): 1.0}
 
 
 def test_the_budget_caps_drafts_and_lookup_runs_unchanged() -> None:
@@ -130,3 +132,14 @@ def test_distill_prompts_are_the_held_out_generation_prompts_never_the_bench_set
     assert [p.prompt for p in prompts] == [p.prompt for p in draft_replay.distill_prompts("distill:24:3")]
     assert not {p.prompt for p in prompts} & {p.prompt for p in load_prompts()}
     assert any(p.prompt.startswith(("def ", "class ")) for p in prompts)  # stdlib openings among them
+
+
+def test_a_prior_written_for_some_sources_keeps_the_files_others(tmp_path):
+    path = tmp_path / "acceptance.json"
+    draft_replay.save_prior(path, {("head:0.5", 0): 0.5, ("tree:head:0.5", 0): 0.1}, measured_on="chains")
+    draft_replay.write_prior(path, {("head:0.5", 0): 0.9, ("tree:head:0.5", 0): 0.4, ("tree:lookup", 1): 0.7},
+                             "trees", sources="tree:")
+    assert draft_replay.load_prior(path) == {("head:0.5", 0): 0.5, ("tree:head:0.5", 0): 0.4, ("tree:lookup", 1): 0.7}
+    assert draft_replay.json.loads(path.read_text())["measured_on"] == "chains; tree:* sources: trees"
+    draft_replay.write_prior(path, {("copy:2", 3): 0.8}, "all anew", sources=None)
+    assert draft_replay.load_prior(path) == {("copy:2", 3): 0.8}

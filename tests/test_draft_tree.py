@@ -12,6 +12,7 @@ import torch
 from test_draft_eagle import load_eagle, target_info
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy
 
+from draft_service.block_length import BlockLengthPolicy, confidence_source
 from draft_service.block_shape import CHAIN as BLOCK_CHAIN
 from draft_service.block_shape import TREE as BLOCK_TREE
 from draft_service.errors import ProtocolError
@@ -38,6 +39,11 @@ from draft_service.types import (
 from tandem.config import DraftSettings
 
 H, L = TREE_HEAD_SOURCE, TREE_LOOKUP_SOURCE
+
+
+def head_source(p: float) -> str:
+    """A head node's source: the head's probability for it after its parent, in tenths."""
+    return confidence_source(H, p)
 
 
 # --------------------------------------------------------------------------- the builder, scripted
@@ -75,7 +81,7 @@ def test_a_strong_lookup_branch_joins_first_and_nearly_as_probable_guesses_expan
     tree = TokenTree(head, top_k=2, budget=5).grow(ROOT, lookup=(10, 12, 20), match_len=2)
     assert tree.token_ids == (10, 12, 20, 11, 14)
     assert tree.parents == (-1, 0, 1, -1, 3)
-    assert tree.sources == (L, L, L, H, H)
+    assert tree.sources == (L, L, L, head_source(0.2), head_source(0.9))
     # The head's 10 met lookup's node; 11 (0.2, at least a quarter of 0.7) joined before 10's
     # guesses were known, so one step expanded both. 12 (0.56) met lookup's node and 14 (0.18)
     # filled the budget before any step was spent on them.
@@ -90,7 +96,7 @@ def test_a_weak_lookup_draft_merges_with_the_heads_equal_guess() -> None:
     tree = TokenTree(head, top_k=2, budget=3).grow(ROOT, lookup=(10, 99), match_len=1)
     assert tree.token_ids == (10, 99, 11)
     assert tree.parents == (-1, 0, -1)
-    assert tree.sources == (H, L, H)
+    assert tree.sources == (head_source(0.7), L, head_source(0.2))
     assert head.expanded == []
 
 
@@ -136,7 +142,7 @@ def test_a_greedy_session_drafts_a_valid_tree_within_its_budget(eagle) -> None:
         session = with_feature(proposer, tokens)
         tree = session.propose(max_tokens)  # Proposal checks parents precede children
         assert len(tree.token_ids) == len(tree.parents) == nodes and session.trees == 1
-        assert tree.parents[0] == -1 and set(tree.sources) == {H}
+        assert tree.parents[0] == -1 and all(source.startswith(f"{H}:") for source in tree.sources)
         for parent in range(-1, nodes):
             assert len(set(children(tree, parent))) == len(children(tree, parent)) <= 3  # distinct siblings
     # A random head spreads its probability thin: two nodes are its two best first guesses.
@@ -160,7 +166,7 @@ def test_propose_puts_a_weak_lookup_copy_in_the_tree_and_sends_a_strong_one_as_a
     # (0.54, 0.486, ...), each at least a quarter as probable as 10: no head step was needed.
     assert tree.token_ids == (10, 99, 7, 10, 99)
     assert tree.parents == (-1, 0, 1, 2, 3)
-    assert tree.sources == (H, L, L, L, L)
+    assert tree.sources == (head_source(0.7), L, L, L, L)
     assert session.trees == 1 and session.lookups == session.head_drafts == 0
     # After a match of two tokens lookup's long copy goes as a chain of the block's K, as without trees.
     strong = NgramFirstSession(
@@ -275,37 +281,79 @@ class OneVerdict:
         )
 
 
-class CutToOne:
-    """A block-length policy that would cut every block to one draft and records what it learns."""
+class CutTo:
+    """A block-length policy that cuts every block to ``nodes`` drafts and records what it learns."""
 
-    def __init__(self) -> None:
-        self.observed = 0
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.observed: list[tuple] = []
 
-    def length(self, sources, session=None) -> int:
-        return 1
+    def length(self, sources, session=None, transport_s=None, parents=()) -> int:
+        return self.nodes
 
-    def observe(self, *args, **kwargs) -> None:
-        self.observed += 1
+    def observe(self, sources, num_accepted, rows, seconds, propose_seconds, verify_seconds=0.0, parents=(),
+                path=()) -> None:
+        self.observed.append((tuple(sources), num_accepted, rows, tuple(parents), tuple(path)))
 
 
 async def run_inline(fn, *args):
     return fn(*args)
 
 
-async def one_round(verifier: OneVerdict, lengths: CutToOne | None = None):
+async def one_round(verifier: OneVerdict, lengths: CutTo | None = None):
     spec = SessionSpec("s", BASE, prompt_len=2, sampling=SamplingParams(), num_speculative_tokens=4)
     loop = SpeculationLoop(spec, FixedDraft(), verifier, run_inline, lengths=lengths)
     return [result async for result in loop.rounds()], loop
 
 
-async def test_the_loop_sends_a_tree_whole_and_commits_its_accepted_root_path() -> None:
-    verifier, lengths = OneVerdict(2, (11, 12, 40)), CutToOne()
-    results, loop = await one_round(verifier, lengths)
-    assert verifier.blocks[0].proposal == TREE  # not cut to one draft
+async def test_the_loop_sends_a_tree_whole_without_a_policy_and_commits_its_accepted_root_path() -> None:
+    verifier = OneVerdict(2, (11, 12, 40))
+    results, loop = await one_round(verifier)
+    assert verifier.blocks[0].proposal == TREE
     assert [r.token_ids for r in results] == [(11, 12, 40)] and results[0].num_accepted == 2
     assert results[0].num_draft_tokens == len(TREE.token_ids) and results[0].num_draft_positions == TREE.positions
-    assert lengths.observed == 0 and not loop.acceptance.rates(min_offered=1)  # nothing learned from a tree
     assert loop.pending_commit[:2] == (len(BASE), (11, 12, 40))
+
+
+async def test_the_policy_cuts_a_tree_to_its_first_nodes_and_learns_its_verdict() -> None:
+    """A tree is cut as a chain is (its first nodes are a tree: parents come first), and its verdict
+    teaches the policy and the session's tally which nodes were judged and which taken."""
+    verifier, lengths = OneVerdict(2, (11, 12, 40)), CutTo(3)
+    results, loop = await one_round(verifier, lengths)
+    sent = verifier.blocks[0].proposal
+    assert sent.token_ids == (10, 11, 12) and sent.parents == (-1, -1, 1) and sent.sources == (H, H, H)
+    assert results[0].num_draft_tokens == 3 and results[0].num_accepted == 2
+    # Path: 11 (node 1), then 12 (node 2). 10 was judged at the root and not taken.
+    assert lengths.observed == [((H, H, H), 2, 4, (-1, -1, 1), (1, 2))]
+    assert loop.acceptance.rates(min_offered=1) == {(H, 0): 0.5, (H, 1): 1.0}
+    assert TREE.cut(0) == Proposal() and TREE.cut(9) is TREE
+
+
+def test_a_tally_judges_the_children_of_the_root_and_of_the_accepted_path_only() -> None:
+    policy = BlockLengthPolicy(explore_every=0)
+    # Nodes: a (root), b (root), c under a, d under b, e under c. Taken: a, then c; e was judged
+    # (its parent c was taken) and rejected; d was never judged (b was not taken).
+    sources, parents = ("a", "b", "c", "d", "e"), (-1, -1, 0, 1, 2)
+    policy.acceptance.observe(sources, 2, parents, path=(0, 2))
+    assert policy.acceptance.rates(min_offered=1) == {("a", 0): 1.0, ("b", 0): 0.0, ("c", 1): 1.0, ("e", 2): 0.0}
+
+
+def test_the_policy_keeps_a_trees_nodes_while_their_chance_pays_for_the_wider_pass(monkeypatch) -> None:
+    policy = BlockLengthPolicy(explore_every=0)
+    for rows, seconds in ((1, 0.010), (2, 0.010), (3, 0.010), (4, 0.010), (5, 0.012)):
+        for _ in range(3):
+            policy.costs.observe(rows, seconds)
+    monkeypatch.setattr(policy.acceptance, "estimate", lambda source, depth: {"sure": 0.9, "unsure": 0.05}[source])
+    # A sure node, its sure child and an unsure sibling of the first: four rows cost what one does,
+    # so even the unsure node rides along (1 + 0.9 + 0.81 + 0.05 tokens in 10 ms)...
+    assert policy.length(["sure", "sure", "unsure"], parents=(-1, 0, -1)) == 3
+    # ...and a fifth row costs 20% more: worth it for a node taken 0.73 of the time (3.49 tokens in
+    # 12 ms), not for one under the unsure node (taken 0.0025 of the time).
+    assert policy.length(["sure", "sure", "unsure", "sure"], parents=(-1, 0, -1, 1)) == 4
+    assert policy.length(["sure", "sure", "unsure", "unsure"], parents=(-1, 0, -1, 2)) == 3
+    # A node is worth its path's chance, not its own: an unsure root child's sure child is not kept.
+    assert policy.length(["sure", "unsure", "sure"], parents=(-1, -1, 1)) == 3  # 4 rows: free
+    assert policy.length(["sure", "sure", "unsure", "sure"], parents=(-1, 0, -1, 2)) == 3
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.block_length import AcceptancePrior
+from draft_service.block_length import AcceptancePrior, confidence_source
 from draft_service.block_shape import CHAIN, BlockShapes
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession, HeadGuesses
@@ -45,7 +45,10 @@ from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSes
 from draft_service.types import Proposal, SamplingParams, SparseDist
 
 COPY_SOURCE = "copy"  # Proposal.sources: lookup's continuation of the head's drafts
-TREE_HEAD_SOURCE = "tree:head"  # Proposal.sources of a tree's nodes (the block-length policy skips trees)
+# Proposal.sources of a tree's nodes: a head guess by the probability the head gave it after its
+# parent (``tree:head:0.7``), lookup's copy as one source; the block-length policy learns how often
+# each is taken, apart from a chain's drafts.
+TREE_HEAD_SOURCE = "tree:head"
 TREE_LOOKUP_SOURCE = "tree:lookup"
 # Lookup's drafts have no probability of their own; in a tree they are priced as if each were
 # accepted with this probability after a match of two tokens or more (draft d: 0.9 ** (d + 1)),
@@ -66,6 +69,7 @@ class _Candidate:
     token: int = field(compare=False)
     feature: torch.Tensor | None = field(compare=False)  # [1, hidden] to expand a head guess with; None: lookup's
     lookup_depth: int = field(default=-1, compare=False)  # lookup's d-th draft; -1: a head guess
+    confidence: float = field(default=0.0, compare=False)  # a head guess's probability given its parent
 
 
 class TokenTree:
@@ -147,7 +151,8 @@ class TokenTree:
             node = self._nodes[key] = len(self._tokens)
             self._tokens.append(candidate.token)
             self._parents.append(candidate.parent)
-            self._sources.append(TREE_LOOKUP_SOURCE if candidate.lookup_depth >= 0 else TREE_HEAD_SOURCE)
+            self._sources.append(TREE_LOOKUP_SOURCE if candidate.lookup_depth >= 0
+                                 else confidence_source(TREE_HEAD_SOURCE, candidate.confidence))
             self._paths.append((*self._paths[candidate.parent], candidate.token) if candidate.parent >= 0 else (candidate.token,))
             if candidate.feature is not None:  # what the head predicted there, for a rollout over the path
                 self._head.remember(self._paths[node], candidate.feature)
@@ -155,7 +160,7 @@ class TokenTree:
 
     def _push_guesses(self, parent: int, probability: float, guesses: HeadGuesses) -> None:
         for token, p in zip(guesses.token_ids, guesses.probs, strict=True):
-            candidate = _Candidate(-probability * p, next(self._order), parent, token, guesses.feature)
+            candidate = _Candidate(-probability * p, next(self._order), parent, token, guesses.feature, confidence=p)
             heapq.heappush(self._frontier, candidate)
 
     def _push_lookup(self, parent: int, depth: int, lookup: Sequence[int], match_len: int) -> None:
