@@ -16,17 +16,20 @@ slows the target's pass too. So the pipelined loop sends one ahead only where th
 - ``propose``: the median seconds a proposal took: on a verdict (what a block that held spares),
   and ahead of one (what each block sent ahead costs; the head's rollout included).
 
-Over loopback the transport is a fraction of a millisecond and nothing is sent ahead; across a
-slow link it is, and the loop keeps blocks in flight. Where draft and target run on separate
+Over loopback the transport is a fraction of a millisecond on idle cores (about 2 ms where draft
+and target share two cores: the wait for a core), and nothing is sent ahead; across a slow link
+blocks are, and the loop keeps them in flight. Where draft and target run on separate
 hardware a proposal ahead does not slow the target, and ``--pipeline-ahead always`` sends every
 block ahead that the depth and hedges allow. One ``HopStats`` per target, shared by the
 sessions on it: the hop is the target's, not the session's. Every ``EXPLORE_EVERY``-th chance
-goes ahead regardless, so the hold rate stays measured where the rule says no, unless not even a
-block sure to hold would pay (a hop shorter than a proposal: over loopback nothing goes ahead).
+goes ahead regardless, so the hold rate stays measured where the rule says no, but only where an
+optimistic hold rate (the estimate plus two standard errors) would pay: a block that rarely holds
+is explored until that is known, and again when the hop grows enough for it to pay.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -87,14 +90,23 @@ class HopStats:
         prior = PRIOR_HOLD / (rank + 1)
         return (self._held.get(rank, 0) + prior * PRIOR_WEIGHT) / (self._judged.get(rank, 0) + PRIOR_WEIGHT)
 
+    def hold_bound(self, rank: int = 0) -> float:
+        """An optimistic hold rate: the estimate plus two binomial standard errors over the blocks
+        judged and the prior's weight. Where even this rate would not pay, exploring is waste."""
+        rate = self.hold_rate(rank)
+        judged = self._judged.get(rank, 0) + PRIOR_WEIGHT
+        return min(1.0, rate + 2.0 * math.sqrt(rate * (1.0 - rate) / judged))
+
     def send_ahead(self, rank: int = 0) -> bool:
         """Whether a block of this rank goes out before the verdict it depends on (see the module
-        doc); every ``EXPLORE_EVERY``-th chance of a rank goes regardless, where a block sure to
-        hold would pay."""
+        doc); every ``EXPLORE_EVERY``-th chance of a rank goes regardless where its optimistic hold
+        rate (``hold_bound``) would pay."""
         if self._always:
             return True
         saving = self.transport_s + self.plain_propose_s  # what a block that holds spares
         if saving <= self.propose_s:
             return False  # not even a block sure to hold would pay: nothing to explore
         self._chances += rank == 0
-        return self._chances % EXPLORE_EVERY == 0 or self.hold_rate(rank) * saving > self.propose_s
+        if self.hold_rate(rank) * saving > self.propose_s:
+            return True
+        return self._chances % EXPLORE_EVERY == 0 and self.hold_bound(rank) * saving > self.propose_s

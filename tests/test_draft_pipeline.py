@@ -308,9 +308,20 @@ def test_blocks_go_ahead_where_the_hop_costs_more_than_drafting_them():
     assert hop.hold_rate() == PRIOR_HOLD and not hop.send_ahead()  # nothing measured: no transport to hide
     for _ in range(8):
         hop.observe_propose(0.004, ahead=False)
-        hop.observe_transport(0.0003)  # loopback
-    assert not any(hop.send_ahead() for _ in range(EXPLORE_EVERY - 1))
-    assert hop.send_ahead() and hop.send_ahead(1)  # every EXPLORE_EVERY-th chance goes, hedges too
+        hop.observe_transport(0.0003)  # loopback: even the prior's optimistic hold (0.68) pays 2.9 of 4 ms
+    assert hop.hold_bound() == pytest.approx(0.25 + 2 * (0.25 * 0.75 / 4) ** 0.5)
+    assert not any(hop.send_ahead(rank) for _ in range(2 * EXPLORE_EVERY) for rank in (0, 1))
+    for _ in range(16):
+        hop.observe_transport(0.006)  # a slower hop: 10 ms saved by a block that holds
+    assert not any(hop.send_ahead() for _ in range(EXPLORE_EVERY - 1))  # 0.25 * 10 ms < 4 ms ...
+    assert hop.send_ahead() and hop.send_ahead(1)  # ... but 0.68 * 10 > 4: every EXPLORE_EVERY-th chance goes
+    for _ in range(32):
+        hop.observe_ahead(held=False)  # blocks ahead that never hold: even the optimistic rate stops paying
+    assert hop.hold_bound() < 0.5
+    assert not any(hop.send_ahead() for _ in range(2 * EXPLORE_EVERY))
+    assert hop.send_ahead(1)  # rank 1 is not known yet: explored at its chances
+    hop = HopStats()
+    hop.observe_propose(0.004, ahead=False)
     for _ in range(64):
         hop.observe_transport(0.040)  # a 20 ms link each way: 0.25 * 40 ms > 4 ms
     assert hop.send_ahead() and hop.send_ahead(1) and not hop.send_ahead(9)  # a hedge of rank 9 is priced at 0.025
