@@ -121,17 +121,14 @@ class AcceptanceTally:
 
     def observe(self, sources: Sequence[str], num_accepted: int, parents: Sequence[int] = (),
                 path: Sequence[int] = ()) -> None:
-        """A chain: drafts before ``num_accepted`` were accepted, the one at it was rejected, later
-        ones were never judged (the target stops at the first rejection). A tree (``parents``): the
-        nodes of ``path`` (the accepted root path, root first) were accepted; every other child of
-        the root or of a path node was judged and rejected; the rest were never judged. A node at
-        depth d counts where a chain's draft d does."""
+        """A tree (``parents``): the nodes of ``path`` (the accepted root path, root first) were
+        accepted; every other child of the root or of a path node was judged and rejected; the rest
+        were never judged (the target stops where its token has no child). A chain is the tree whose
+        drafts each hang under the one before, its path the first ``num_accepted``: the draft after
+        them was rejected, later ones never judged. A node at depth d counts where a chain's draft d
+        does."""
         if not parents:
-            for depth, source in enumerate(sources[: num_accepted + 1]):
-                count = self._counts.setdefault(_key(source, depth), _Count())
-                count.offered += 1
-                count.accepted += depth < num_accepted
-            return
+            parents, path = range(-1, len(sources) - 1), range(num_accepted)
         taken = set(path)
         for node, (source, parent, depth) in enumerate(zip(sources, parents, depths(parents))):
             if parent == ROOT or parent in taken:
