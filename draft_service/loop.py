@@ -139,12 +139,7 @@ class SpeculationLoop:
             base_len = self._committed_len
             proposal = await self._run_model(self._commit_and_propose, self._pending_commit, self._block_size())
             proposed = self._clock()
-            learns = self._lengths is not None
-            sources = ()
-            if learns and proposal.sources:  # a chain cut to its best length, a tree to its best nodes
-                sources = tuple(self._source_prefix + source for source in proposal.sources)
-                proposal = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s(),
-                                                             parents=proposal.parents))
+            proposal, sources = self._cut(proposal)
             self._pending_commit = (base_len, (), None)  # a refused block still has to be rolled back
             asked = self._clock()
             verdict = await self._verify(base_len, proposal)
@@ -155,20 +150,10 @@ class SpeculationLoop:
             self._stale_in_a_row = 0
             if self._hop is not None:
                 self._hop.observe_exchange(answered - asked, verdict.verify_seconds)
-            if learns and verdict.status is VerdictStatus.OK:
-                sent = sources[: len(proposal.token_ids)]
-                path = root_path(proposal, verdict.committed_token_ids[: verdict.num_accepted])
-                self.acceptance.observe(sent, verdict.num_accepted, proposal.parents, path)
-                self._lengths.observe(
-                    sent,
-                    verdict.num_accepted,
-                    rows=len(proposal.token_ids) + 1,
-                    seconds=answered - asked,
-                    propose_seconds=proposed - started,
-                    verify_seconds=verdict.verify_seconds,
-                    parents=proposal.parents,
-                    path=path,
-                )
+            if verdict.status is VerdictStatus.OK:
+                self._learn(proposal, sources, verdict.num_accepted, verdict.committed_token_ids,
+                            seconds=answered - asked, propose_seconds=proposed - started,
+                            verify_seconds=verdict.verify_seconds)
             if verdict.status is VerdictStatus.FINISHED:
                 yield RoundResult(
                     token_ids=(),
@@ -201,6 +186,29 @@ class SpeculationLoop:
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return
+
+    def _cut(self, proposal: Proposal) -> tuple[Proposal, tuple[str, ...]]:
+        """The proposal cut where its round pays best (a chain to a length, a tree to its first
+        nodes) and the sources of what is sent, as the policy tallies them; the proposal whole and
+        no sources where there is no policy or the proposer names none."""
+        if self._lengths is None or not proposal.sources:
+            return proposal, ()
+        sources = tuple(self._source_prefix + source for source in proposal.sources)
+        cut = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s(), parents=proposal.parents))
+        return cut, sources[: len(cut.token_ids)]
+
+    def _learn(self, proposal: Proposal, sources: Sequence[str], num_accepted: int, committed: Sequence[int],
+               seconds: float | None, propose_seconds: float, verify_seconds: float) -> None:
+        """Teaches the session's tally and the policy a verdict that accepted ``num_accepted`` of
+        ``proposal``'s drafts (``committed``: the tokens it committed; ``seconds``: the round trip,
+        None where another block's pass was in it). Nothing without sources (``_cut``)."""
+        if not sources or self._lengths is None:
+            return
+        path = root_path(proposal, committed[:num_accepted])
+        self.acceptance.observe(sources, num_accepted, proposal.parents, path)
+        self._lengths.observe(sources, num_accepted, rows=len(proposal.token_ids) + 1, seconds=seconds,
+                              propose_seconds=propose_seconds, verify_seconds=verify_seconds,
+                              parents=proposal.parents, path=path)
 
     def _transport_s(self) -> float | None:
         """The measured round trip to the target beyond its pass (None before any)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.errors import ProtocolError
-from draft_service.loop import PendingCommit, PipelinedVerifier, SpeculationLoop, root_path
+from draft_service.loop import PendingCommit, PipelinedVerifier, SpeculationLoop
 from draft_service.types import FinishReason, Proposal, ProposedBlock, RoundResult, VerdictStatus
 
 
@@ -135,18 +135,9 @@ class PipelinedLoop(SpeculationLoop):
             self._sequence.extend(committed)
             self._committed_len += len(committed)
             self._streamed += len(committed)
-            if flight.sources:  # what the synchronous loop teaches the block-length policy
-                sent = flight.sources[: len(flight.proposal.token_ids)]
-                parents = flight.proposal.parents
-                path = root_path(flight.proposal, committed[: verdict.num_accepted])
-                self.acceptance.observe(sent, verdict.num_accepted, parents, path)
-                if self._lengths is not None:
-                    self._lengths.observe(
-                        sent, verdict.num_accepted, rows=len(flight.proposal.token_ids) + 1,
+            self._learn(flight.proposal, flight.sources, verdict.num_accepted, committed,
                         seconds=answered - flight.sent if flight.alone else None,
-                        propose_seconds=flight.proposed - flight.started, verify_seconds=verdict.verify_seconds,
-                        parents=parents, path=path,
-                    )
+                        propose_seconds=flight.proposed - flight.started, verify_seconds=verdict.verify_seconds)
             yield RoundResult(
                 token_ids=committed, committed_len=verdict.committed_len, finish_reason=verdict.finish_reason,
                 num_draft_tokens=len(flight.proposal.token_ids), num_accepted=verdict.num_accepted,
@@ -227,11 +218,7 @@ class PipelinedLoop(SpeculationLoop):
                     parent: int = -1, rank: int = 0) -> _Flight:
         self._pending_commit = None  # applied on the model thread with this proposal
         proposed = self._clock()
-        sources: tuple[str, ...] = ()
-        if self._lengths is not None and proposal.sources:  # chains and trees alike
-            sources = tuple(self._source_prefix + source for source in proposal.sources)
-            proposal = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s(),
-                                                         parents=proposal.parents))
+        proposal, sources = self._cut(proposal)
         assumed = expects[len(self._sequence):]
         block = ProposedBlock(
             session_id=self._spec.session_id, block_id=self._next_block_id, base_len=len(self._sequence),

@@ -111,8 +111,6 @@ class Proposal:
         tree was grown best-first."""
         if length >= len(self.token_ids):
             return self
-        if self.parents and length == 0:
-            return Proposal(shape=self.shape)
         return Proposal(self.token_ids[:length], self.probs[:length], self.sources[:length], self.parents[:length],
                         self.shape)
 
