@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -91,12 +92,14 @@ def test_repacked_blocks_are_cached_and_a_damaged_cache_is_made_again(tiny_gguf_
     quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel())
     assert blocks_file.is_file()
 
-    def no_repack(path):
-        raise AssertionError("the cache should have been used")
+    def no_reading(*_args):
+        raise AssertionError("the cache should have been used, the GGUF file left unread")
 
-    with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "_repack", no_repack)
-        assert quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel()).kept_float == {}
+    with monkeypatch.context() as patch:  # a start from the cache opens no GGUF file (gguf-py parses all of one)
+        patch.setattr(checkpoint, "_repack", no_reading)
+        patch.setattr(gguf, "GGUFReader", no_reading)
+        summary = quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel())
+        assert summary.kept_float == {} and summary.swapped > 0
     blocks_file.write_bytes(b"not safetensors")
     assert quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel()).kept_float == {}
     # A changed GGUF file (here: a new modification time) invalidates the cache.
@@ -106,6 +109,16 @@ def test_repacked_blocks_are_cached_and_a_damaged_cache_is_made_again(tiny_gguf_
     monkeypatch.setattr(checkpoint, "_repack", lambda path: repacked.append(path) or real(path))
     quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel())
     assert repacked == [gguf_path]
+    # A cache written before it kept the file's architecture is read again from the file.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(blocks_file), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "architecture"}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(blocks_file), metadata=meta)
+    quantize_model(_float_model(hf_dir), gguf_path, blocks_file, load_kernel())
+    assert repacked == [gguf_path, gguf_path]
 
 
 def test_a_weight_that_is_not_the_files_dequantization_keeps_float32(tiny_gguf_gemma, blocks_file) -> None:

@@ -13,8 +13,10 @@ from the cache. So the quantized model is the float32 checkpoint, read at its fi
 a tensor that differs (a conversion that transformed it, an unread block type) keeps its float32
 weight, and the summary says which.
 
-The repacked blocks are cached beside the float32 conversion (``BLOCKS_FILE``, safetensors), so
-only the first start reads the GGUF file (about 10 s for gemma-3-270m).
+The repacked blocks are cached beside the float32 conversion (``BLOCKS_FILE``, safetensors) with
+the file's architecture (all the name map needs from it), so only the first start reads the GGUF
+file: gguf-py parses every metadata field when it opens one, a 262,144-token vocabulary included
+(about 10 s for gemma-3-270m).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class QuantSummary:
 def quantize_model(model: nn.Module, gguf_path: Path, blocks_file: Path, kernel: QuantKernel) -> QuantSummary:
     """Swaps the model's linear layers and embedding for quantized ones where the GGUF file's blocks
     are exactly their weights (see the module docstring); returns what it did."""
-    blocks, fresh = _blocks(gguf_path, blocks_file)
-    names = _gguf_names(model, gguf_path)
+    blocks, architecture, fresh = _blocks(gguf_path, blocks_file)
+    names = _gguf_names(model, architecture)
     summary = QuantSummary(kernel=kernel.isa)
     counted: set[str] = set()
     prepared: dict[str, QuantizedTensor] = {}  # GGUF name -> in the kernel's layout (a tied head and embedding share it)
@@ -128,12 +130,11 @@ def _equal(weight: QuantizedTensor, dense: torch.Tensor, full: bool) -> bool:
     return all(torch.equal(dequantize(weight.rows(rows)), dense.index_select(0, rows)) for rows in spans)
 
 
-def _gguf_names(model: nn.Module, gguf_path: Path) -> dict[str, str]:
-    """transformers module name -> GGUF tensor name (``blk.0.attn_q.weight``), by gguf-py's map."""
+def _gguf_names(model: nn.Module, arch_name: str) -> dict[str, str]:
+    """transformers module name -> GGUF tensor name (``blk.0.attn_q.weight``), by gguf-py's map for
+    the file's architecture (``general.architecture``, e.g. ``gemma3``)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch_name = str(reader.fields["general.architecture"].contents())
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
     if arch is None:
         return {}
@@ -148,29 +149,30 @@ def _gguf_names(model: nn.Module, gguf_path: Path) -> dict[str, str]:
     return names
 
 
-def _blocks(gguf_path: Path, blocks_file: Path) -> tuple[dict[str, QuantizedTensor], bool]:
-    """The GGUF file's quantized tensors, from the cache or repacked now (then cached); and whether
-    they were repacked now (then ``quantize_model`` checks them in full)."""
+def _blocks(gguf_path: Path, blocks_file: Path) -> tuple[dict[str, QuantizedTensor], str, bool]:
+    """The GGUF file's quantized tensors and architecture, from the cache or read now (then cached);
+    and whether they were read now (then ``quantize_model`` checks them in full)."""
     source = _source_id(gguf_path)
     cached = _read_cache(blocks_file, source)
     if cached is not None:
-        return cached, False
+        return *cached, False
     blocks_file.parent.mkdir(parents=True, exist_ok=True)
     with open(blocks_file.with_name(blocks_file.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the target and a draft may start together
         cached = _read_cache(blocks_file, source)
         if cached is not None:
-            return cached, False
+            return *cached, False
         log.info("repacking the quantized tensors of %s (first start only)", gguf_path)
-        blocks = _repack(gguf_path)
-        _write_cache(blocks_file, blocks, source)
-        return blocks, True
+        blocks, architecture = _repack(gguf_path)
+        _write_cache(blocks_file, blocks, architecture, source)
+        return blocks, architecture, True
 
 
-def _repack(gguf_path: Path) -> dict[str, QuantizedTensor]:
+def _repack(gguf_path: Path) -> tuple[dict[str, QuantizedTensor], str]:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
+    architecture = str(reader.fields["general.architecture"].contents())
     blocks = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
@@ -178,7 +180,7 @@ def _repack(gguf_path: Path) -> dict[str, QuantizedTensor]:
             continue
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists the contiguous dimension first
         blocks[tensor.name] = gguf_blocks.to_quantized(np.asarray(tensor.data), type_name, shape)
-    return blocks
+    return blocks, architecture
 
 
 def _source_id(gguf_path: Path) -> str:
@@ -186,7 +188,9 @@ def _source_id(gguf_path: Path) -> str:
     return f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|layout {LAYOUT_VERSION}"
 
 
-def _read_cache(blocks_file: Path, source: str) -> dict[str, QuantizedTensor] | None:
+def _read_cache(blocks_file: Path, source: str) -> tuple[dict[str, QuantizedTensor], str] | None:
+    """(blocks, architecture) as ``_write_cache`` wrote them for ``source``; None where the file is
+    missing, damaged, of another source, or written before it kept the architecture."""
     from safetensors import safe_open
 
     if not blocks_file.is_file():
@@ -194,10 +198,10 @@ def _read_cache(blocks_file: Path, source: str) -> dict[str, QuantizedTensor] | 
     try:
         with safe_open(str(blocks_file), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("source") != source:
+            if meta.get("source") != source or "architecture" not in meta:
                 return None
             layout = json.loads(meta["tensors"])
-            return {
+            blocks = {
                 name: QuantizedTensor(
                     f.get_tensor(f"{name}/packed"), f.get_tensor(f"{name}/scale"),
                     f.get_tensor(f"{name}/mins") if spec["mins"] else None,
@@ -205,12 +209,13 @@ def _read_cache(blocks_file: Path, source: str) -> dict[str, QuantizedTensor] | 
                 )
                 for name, spec in layout.items()
             }
+            return blocks, meta["architecture"]
     except Exception as error:  # noqa: BLE001  a damaged cache (of any kind: safetensors has its own errors) is made again
         log.warning("ignoring the cached blocks in %s: %s", blocks_file, error)
         return None
 
 
-def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], source: str) -> None:
+def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], architecture: str, source: str) -> None:
     from safetensors.torch import save_file
 
     tensors, layout = {}, {}
@@ -222,5 +227,6 @@ def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], source: 
         layout[name] = {"group": weight.group, "bits": weight.bits, "zero": weight.zero, "source": weight.source,
                         "mins": weight.mins is not None}
     tmp = blocks_file.with_name(f"{blocks_file.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"source": source, "tensors": json.dumps(layout)})
+    save_file(tensors, str(tmp), metadata={"source": source, "architecture": architecture,
+                                               "tensors": json.dumps(layout)})
     tmp.rename(blocks_file)

@@ -232,9 +232,10 @@ def _build_plan(isa: str, kind: str = "") -> tuple[str, Path, list[str], Path, s
     library = _library(isa, kind if kind in OPS_KINDS else "")
     flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={library}", *ISA_FLAGS[isa]]
     source = SOURCES[kind]
-    # The torch install is part of the key: its headers' paths are in the build file, and another
-    # install's (a second virtual environment) would make ninja rebuild the folder every time.
-    key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), *flags])
+    # The torch install and the source's path are part of the key: the build file names the torch
+    # headers and the source by path, so another install's (a second virtual environment) or another
+    # checkout's would make ninja rebuild the folder at every switch between them.
+    key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), str(source.resolve()), *flags])
     headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what the sources include
     digest = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:12]
     return library, source, flags, cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}", digest
