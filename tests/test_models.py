@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf as gguf_py
 import pytest
 
 from tandem import models
@@ -47,8 +48,12 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     builtin_fingerprint = models.tokenizer_fingerprint(models.load_tokenizer("gemma-3-270m"))
     gguf = package.assemble(tmp_path / "files" / "my-gemma.gguf")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    parsed = []
+    real_reader = gguf_py.GGUFReader
+    monkeypatch.setattr(gguf_py, "GGUFReader", lambda path, *args: parsed.append(path) or real_reader(path, *args))
     first = models.resolve(str(gguf))
     assert first.name == "my-gemma" and (first.hf_dir / ".complete").exists()
+    assert len(parsed) == 1  # tokenizer, config and weights from one parse of the file (~10 s each)
     assert first.hf_dir.is_relative_to(tmp_path / "cache")
 
     def no_second_conversion(*_args):

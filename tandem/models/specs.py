@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,10 +171,11 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
     log.info("converting %s to a cached checkpoint in %s (first start only)", gguf_path, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     # The weights are de-quantised floats now; drop the GGUF quantiser so they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -183,3 +186,31 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
+
+
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """Within it, opening one GGUF file again gives the reader already made.
+
+    transformers opens the file three times for a conversion (the tokenizer, the config, the
+    weights), and gguf-py parses every metadata field each time: for gemma-3-270m's 262,144-token
+    vocabulary about 10 s a parse. A reader only maps the file read-only, so one serves all three.
+    Used only by the conversion, which holds the conversion's lock.
+    """
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
