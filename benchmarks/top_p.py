@@ -8,7 +8,7 @@ peaked, tens of tokens), for each top_p: the median time of each way, interleave
 how many tokens the sort keeps, and whether the buckets keep the same ones (they may differ only
 where a token's exact mass lies within float32 rounding of top_p; the sort sums float32
 probabilities). The window answers None where it cannot decide (then the sort ran). See
-``kernels/reference/sampling.py`` and docs/design-notes.md#top-p-without-a-sort.
+``kernels/reference/sampling.py`` and docs/sampling.md#top-p-without-a-sort.
 """
 
 from __future__ import annotations

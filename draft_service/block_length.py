@@ -3,7 +3,7 @@
 A draft deep in a block is worth only the chance that it and every draft before it are accepted,
 and a verification pass does not cost the same for every width: on one host a pass steps up once
 its rows turn the LM head's product compute-bound, on another the cost rises evenly with the rows
-(figures: docs/design-notes.md#cut-blocks). A fixed K is right for one host and one kind of text at
+(figures: docs/drafting.md#cut-blocks). A fixed K is right for one host and one kind of text at
 best. So the draft service learns both sides as it serves and cuts each proposal where the expected
 number of committed tokens per second of the round peaks:
 
@@ -34,7 +34,7 @@ own token), so cutting never changes which tokens are committed, only how many r
 greedy output stays the target's, and a sampled block cut short is still verified exactly.
 Cutting is per round and myopic (it maximises this round's rate rather than the long-run one),
 which is what makes it cheap; ``benchmarks/draft_replay.py --cut`` compares it with fixed K
-(figures: docs/design-notes.md#cut-blocks).
+(figures: docs/drafting.md#cut-blocks).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A token tree (``ngram+eagle``'s greedy blocks where lookup has no strong match) 
 a round than a chain, for a wider verification pass and a few more head steps. Whether that pays is
 the host's to say: where a pass over six rows costs little more than one over four (int8 products
 on AVX-512 VNNI) trees pay; where the LM head's product turns compute-bound with the rows (the same
-products on AVX2) chains do (figures: docs/design-notes.md#tree-nodes). A probe of the CPU would
+products on AVX2) chains do (figures: docs/drafting.md#tree-nodes). A probe of the CPU would
 guess; the rounds themselves say it exactly, with the drafter, the text and the hop included. So the draft service measures both shapes as it serves and drafts the one
 that commits more tokens per second of round:
 

@@ -226,7 +226,7 @@ class SpeculationLoop:
         reaches it (a gateway leg, after which the gateway may switch modes), and the session goes
         on. Cut for it, each leg's last round drafted a token or two instead of a full block, and
         ``speculation: "auto"`` ran measurably slower than ``"on"`` (figures:
-        docs/design-notes.md#fallback-floor, "Legs").
+        docs/fallback.md#fallback-floor, "Legs").
         """
         length = self._committed_len if length is None else length
         budgets = []

@@ -161,7 +161,7 @@ def limit_torch_threads(threads: int) -> None:
     after each parallel region. With one worker per core in both processes, the draft's spinning
     workers steal cores from the target's verification and the target's from the draft's steps,
     and rounds get slower. A drafting step is a few small products, for which one core is enough
-    (figures: docs/design-notes.md#draft-threads).
+    (figures: docs/drafting.md#draft-threads).
     """
     if threads > 0:
         import torch

@@ -22,7 +22,7 @@ Acceptance here is accepted drafts over the drafts that could have been accepted
 ``num_draft_positions``): a chain's length, but only the deepest root path of a token tree, of
 which one path at most is accepted: counted per node, a tree reads as less accepting than a chain
 drafting as well, and sessions whose drafts paid fell below the floor
-(figures: docs/design-notes.md#fallback-floor).
+(figures: docs/fallback.md#fallback-floor).
 
 After ``reprobe_after_tokens`` tokens in fallback it runs a short speculative probe; the session
 returns to speculation only when the probe clears the bar by the hysteresis margin, and each
@@ -70,7 +70,7 @@ class AdaptiveConfig:
     window_rounds: int = 8
     warmup_rounds: int = 4
     # A floor for hopeless drafts, not the test of payoff (the time rule is); set low enough that
-    # sessions which pay do not fall back on an unlucky window (docs/design-notes.md#fallback-floor).
+    # sessions which pay do not fall back on an unlucky window (docs/fallback.md#fallback-floor).
     min_acceptance: float = 0.05
     # Relative margin between the bar to leave speculation and the bar to come back.
     hysteresis: float = 0.1

@@ -246,7 +246,7 @@ def _bind_http_socket(host: str, port: int) -> socket.socket:
     The protocol must be named: asyncio sets TCP_NODELAY on accepted connections only when the
     socket says IPPROTO_TCP. Without it, on a kept-alive connection (httpx, the OpenAI SDK) the
     first SSE chunk after the response headers waited for the client's delayed ACK
-    (docs/design-notes.md#http-socket).
+    (docs/streaming.md#http-socket).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

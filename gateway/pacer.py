@@ -11,7 +11,7 @@ rate keeps a few tokens queued across short rounds. Each gap counts at most ``ga
 gaps, so one slow round (a leg boundary, a GC pause) does not stretch the cadence of the next ones.
 
 A token is held at most two rounds by default: within one round the arrivals themselves, not the
-estimator, keep the jitter up (replays and figures: docs/design-notes.md#stream-smoothing). The
+estimator, keep the jitter up (replays and figures: docs/streaming.md#stream-smoothing). The
 end-to-end latency stays (the flush below), and so does the time to the first token, which no
 estimate exists for yet and which is never held.
 

@@ -13,7 +13,7 @@ Some sessions are known not to profit from speculation before their first token:
   better spent on decoding than on verifying rejected drafts (reason ``saturated``). The target
   batches the sessions waiting together, and a pass costs about the same for one row as for a few,
   so under heavy load plain decoding serves more while a few sessions still gain from speculation
-  (docs/design-notes.md#continuous-batching);
+  (docs/target.md#continuous-batching);
 * the draft's circuit breaker is open (reason ``draft_unavailable``).
 
 Each rule is configurable (``None`` disables a threshold) and each fallback is recorded with its

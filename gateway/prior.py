@@ -53,7 +53,7 @@ class PriorConfig:
     alpha: float = 0.2  # weight of a new report in the band's average (times its tokens)
     min_sessions: int = 4  # reports before the band's average decides anything
     # The average must exceed 1 + margin to keep a band's sessions from speculating. A band mixes
-    # kinds of text (docs/design-notes.md#temperature-prior), and holding
+    # kinds of text (docs/fallback.md#temperature-prior), and holding
     # a band back costs every session in it, while one session that speculates in vain costs
     # little (its own controller falls back): so the bar is high.
     margin: float = 0.1

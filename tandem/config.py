@@ -25,12 +25,12 @@ PoolAddresses = Annotated[str, AfterValidator(_pool)]
 
 # "auto": prompt lookup first and the shipped eagle head where lookup finds nothing (ngram+eagle),
 # for a target tandem ships a head for; prompt lookup alone (ngram) for any other target
-# (tandem.models.resolve_draft_spec). Figures: docs/design-notes.md#default-draft.
+# (tandem.models.resolve_draft_spec). Figures: docs/drafting.md#default-draft.
 DEFAULT_DRAFT = "auto"
 # The most drafts a block carries. A CPU pass reads the weights once whatever the rows
 # (tandem.cpu.linear), so long blocks are cheap and prompt lookup's long matches pay; the eagle
 # head drafts at most eagle_k of them and the draft service cuts blocks where they stop paying.
-# Figures: docs/design-notes.md#k.
+# Figures: docs/drafting.md#k.
 DEFAULT_K = 7
 DRAFT_HELP = (
     "'auto' (ngram+eagle where tandem ships an eagle head for the target, else ngram), a draft SPEC, 'eagle' "

@@ -2,7 +2,7 @@
 
 On a CPU a small model's decode step is short enough that transformers' module tree spends nearly
 as long again in Python: hundreds of small tensor operations per pass (a norm alone is eight),
-each paying PyTorch's dispatch (figures: docs/design-notes.md#quantized-cpu-kernels). This pass makes the same computation in about
+each paying PyTorch's dispatch (figures: docs/target.md#quantized-cpu-kernels). This pass makes the same computation in about
 fifteen calls per layer: the products go straight to the quantized kernel, and each norm, the
 query/key norm with its rotary embedding, and the gated activation are one native call each
 (``tandem.quant.decoder_ops.cpp``; their PyTorch references where it is not built).

@@ -36,7 +36,7 @@ class GrowableLayer(DynamicLayer):
     of room and hands out views of its filled part: an update writes only its new positions (the
     buffer is copied once per ``SPARE_POSITIONS`` positions), a rollback (``crop``) only moves the
     end. ``keys``/``values`` stay the views transformers and the engine read, ``[batch, kv_heads,
-    length, head_dim]`` (figures: docs/design-notes.md#sliding-window-and-the-kv-cache). The spare
+    length, head_dim]`` (figures: docs/target.md#sliding-window-and-the-kv-cache). The spare
     room (``SPARE_POSITIONS``) is memory past a session's KV reservation.
     """
 

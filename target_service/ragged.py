@@ -3,7 +3,7 @@
 Decoding is bound by reading the weights, not by arithmetic: one token of each of several sessions
 in one pass costs little more than one token alone, so when several sessions wait for the target,
 running their steps together multiplies throughput (the continuous batching of vLLM and TGI,
-without their paged caches; figures: docs/design-notes.md#continuous-batching).
+without their paged caches; figures: docs/target.md#continuous-batching).
 
 The sessions' tokens are laid end to end as one sequence ``[1, rows]`` ("ragged": no padding),
 each with its own positions. Everything in the model but attention works row by row, so only

@@ -99,7 +99,7 @@ def _load_eagle(spec: str, settings: DraftSettings, target: TargetInfo) -> Eagle
 
     # A head step is a few MB of weights for one row, so its cost is reading them: bf16 halves that
     # ("auto"), and on a CPU with a quantized kernel (tandem.quant's probe) Q8_0 blocks halve it
-    # again; the drafts either picks are as good (figures: docs/design-notes.md#draft-head-precision).
+    # again; the drafts either picks are as good (figures: docs/drafting.md#draft-head-precision).
     dtype = "bfloat16" if settings.dtype == "auto" else pick_dtype(settings.dtype, "cpu")
     device = pick_device(settings.device)
     kernel = _head_kernel(device) if settings.dtype == "auto" else None

@@ -6,7 +6,7 @@ elsewhere, and then the round is a plain decode step. The eagle head drafts anyw
 milliseconds a step and with shorter accepted runs. So each round asks lookup first and falls
 back to the head when lookup has no match, or only a weak one the head confidently disagrees with
 (``_head_overrules``). It is the default draft for a target tandem ships a head for, faster than
-lookup alone (figures: docs/design-notes.md#default-draft).
+lookup alone (figures: docs/drafting.md#default-draft).
 
 Both sub-sessions see every commit, so the head always has the current feature: every block asks
 for hidden states, whoever drafted it. Which drafter runs is decided from the committed tokens
@@ -17,7 +17,7 @@ The head drafts at most ``head_k`` tokens a block (``--eagle-k``, default 3), fe
 K (default 7), and stops early where it doubts its own draft (``--eagle-min-confidence``, default
 0.5). Its deeper drafts are accepted less often, so past a few of them a draft no longer pays for
 its step, even though passes over up to 8 tokens cost little more than one (``tandem.cpu.linear``;
-figures: docs/design-notes.md#eagle-k).
+figures: docs/drafting.md#eagle-k).
 
 Greedy sessions may draft a token tree instead where lookup has no strong match (``TokenTree``,
 ``--draft-tree-nodes N``, default 5; 0 = chains): the head's top guesses at each position and
@@ -86,7 +86,7 @@ class TokenTree:
     expands that node. Where prompt lookup matches strongly (two tokens or more) the session sends
     lookup's chain instead: a long copy beats any five nodes. Trees commit more tokens a round than
     chains for a little more drafting (``benchmarks/draft_replay.py``; figures:
-    docs/design-notes.md#tree-nodes).
+    docs/drafting.md#tree-nodes).
     """
 
     def __init__(self, head: EagleSession, top_k: int, budget: int) -> None:
@@ -140,7 +140,7 @@ class TokenTree:
         not yet expanded) are known: when it is nearly as probable, so that one step expands both
         (or, for lookup's drafts, none is needed). Stricter best-first order (expanding each node
         before the next joins) gained little in replay and cost a head step more
-        (docs/design-notes.md#tree-nodes)."""
+        (docs/drafting.md#tree-nodes)."""
         return candidate.neg_probability <= BATCH_SHARE * pending.neg_probability
 
     def _join(self, candidate: _Candidate) -> int:
@@ -240,7 +240,7 @@ class NgramFirstSession(ProposerSession):
         draft: the head names the next JSON key, lookup copies the line it starts. Lookup's tokens
         are deterministic given the block before them, so their q is one-hot and sampled blocks
         stay exact. It commits more tokens a round on json and code (figures:
-        docs/design-notes.md#lookup-continues-head-blocks).
+        docs/drafting.md#lookup-continues-head-blocks).
         """
         room = max_tokens - len(proposal.token_ids)
         if room <= 0:
@@ -264,7 +264,7 @@ class NgramFirstSession(ProposerSession):
         head's own next token differs and the head gives it at least ``overrule_confidence``, its
         block is the better bet, and it starts from the step taken to judge (a step wasted only
         where lookup's block stands). Only one-token matches are overruled (figures for the
-        threshold and the match length: docs/design-notes.md#head-overrules-weak-lookup-matches).
+        threshold and the match length: docs/drafting.md#head-overrules-weak-lookup-matches).
         """
         if match_len > 1 or self._overrule_confidence <= 0:
             return False

@@ -144,7 +144,7 @@ def _bucketed_top_p(
     (the OpenAI API has top_p; top_k is an extension). A sort of 262,144 logits costs a 2-core CPU about
     30 ms, more than the model's pass, and the window of the largest logits (``WINDOW``) needs a
     topk of its own and cannot decide a flat row, whose top-p set holds tens of thousands of tokens
-    (figures: docs/design-notes.md#top-p-without-a-sort).
+    (figures: docs/sampling.md#top-p-without-a-sort).
 
     Each row's logits fall into ``BUCKETS`` buckets of equal width below its maximum, the buckets'
     masses are summed from the top until they reach top_p, and only the bucket where they do is

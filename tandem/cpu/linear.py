@@ -37,7 +37,7 @@ usual path. The model loader packs float32 layers; the eagle drafter packs its b
 same way (``dtype``), which halves a draft step there; bfloat16 layers without a packed copy keep
 their own kernels.
 
-Figures (pass costs by rows, each constant below): docs/design-notes.md#packed-linears.
+Figures (pass costs by rows, each constant below): docs/target.md#packed-linears.
 """
 
 from __future__ import annotations

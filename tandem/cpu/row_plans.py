@@ -25,7 +25,7 @@ the usual one; with minima and a looser margin the layers' two-row choice flippe
 and two-row products can be slower than four rows even when, timed alone after a cache flush, they
 are not.
 
-Figures (the hosts, the passes, the margins tried): docs/design-notes.md#row-plans.
+Figures (the hosts, the passes, the margins tried): docs/target.md#row-plans.
 """
 
 from __future__ import annotations

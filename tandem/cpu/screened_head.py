@@ -28,7 +28,7 @@ many-row paths), which can only matter at a tie that close. Autoregressive steps
 verification both pick tokens here, so speculative and plain greedy decoding agree token for
 token. Candidates are few (a handful per row), so the rescoring costs little beside the screen.
 Figures (candidates per row, head and pass times; ``benchmarks/screened_head.py`` re-measures
-them): docs/design-notes.md#screened-head.
+them): docs/target.md#screened-head.
 
 Rows whose screen finds no candidate (a non-finite hidden state) take the float32 product, as
 before. Sampling needs every probability, so sampled rows keep the float32 head (the engine

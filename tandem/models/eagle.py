@@ -151,7 +151,7 @@ class EagleDrafter:
     are Q8_0 blocks, a byte per weight and a scale per 32 (the rows are the target's tied
     embedding, which a Q8_0 GGUF holds in exactly that form), and the rest of the step is float32.
     ``vocab_limit`` keeps the most frequent target choices only: nearly all of the target's choices
-    fall among them, and fewer rows make each step cheaper (figures: docs/design-notes.md#draft-rows).
+    fall among them, and fewer rows make each step cheaper (figures: docs/drafting.md#draft-rows).
     """
 
     def __init__(

@@ -41,7 +41,7 @@ BUILTIN_HEADS_DIR = Path(__file__).parent.parent / "data" / "eagle"
 
 def resolve_draft_spec(spec: str, target_spec: str) -> str:
     """The draft ``spec`` names for this target: ``auto`` becomes ``ngram+eagle`` where a head ships
-    for the target (faster than lookup alone: docs/design-notes.md#default-draft), and
+    for the target (faster than lookup alone: docs/drafting.md#default-draft), and
     ``ngram`` elsewhere, which needs nothing from the target; any other spec stays as it is."""
     if spec != AUTO_DRAFT:
         return spec

@@ -106,7 +106,7 @@ def product(kernel: QuantKernel, rows: torch.Tensor, weight: QuantizedTensor) ->
 def bound_product(kernel: QuantKernel, weight: QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`product` with ``weight``, its kernel call resolved once: rows [m, in] float32 contiguous
     -> [m, out]. A decode step makes ~70 small products; looking up the op and its arguments on each
-    costs as much as a small product's arithmetic (figures: docs/design-notes.md#quantized-cpu-kernels)."""
+    costs as much as a small product's arithmetic (figures: docs/target.md#quantized-cpu-kernels)."""
     op = tiles_op(kernel, weight)
     if op is None:
         return partial(product, kernel, weight=weight)

@@ -75,7 +75,7 @@ class TargetRunner:
         """rows [r, hidden] float32 -> (top-k target ids [r, k], their log-probs [r, k]), argmax first.
 
         The full-vocabulary product is most of the target's cost. It runs in bfloat16 (faster on a
-        CPU with bf16 units; docs/design-notes.md#distill) only to find candidates and the
+        CPU with bf16 units; docs/distill.md#distill) only to find candidates and the
         normaliser; the candidates are then scored again in float32, so the stored choices and their
         order are the float32 target's (the top-k of the float32 logits lies inside the bf16
         top-``candidates`` unless bf16 rounding moved a logit by more than the gap, which 32
