@@ -31,6 +31,8 @@ from gateway.upstream import GrpcDraft, GrpcTarget
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 2.0
+# How often a gateway that is not ready checks its upstreams (a health check is a cheap RPC).
+WAITING_INTERVAL_S = 0.25
 
 
 class UpstreamMonitor:
@@ -89,10 +91,12 @@ class UpstreamMonitor:
                     await self.on_readiness_change(ready)
             return ready
 
-    async def watch(self, interval: float) -> None:
-        """Checks every ``interval`` seconds, forever."""
+    async def watch(self, interval: float, waiting_interval: float = WAITING_INTERVAL_S) -> None:
+        """Checks every ``interval`` seconds, forever; every ``waiting_interval`` while not ready, so
+        the gateway serves as soon as its upstreams do (at start-up, and after they were all down)
+        rather than up to ``interval`` later."""
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval if self._last_ready else min(interval, waiting_interval))
             await self.check()
 
     async def _check_target(self, member: Member[GrpcTarget]) -> None:

@@ -3,6 +3,8 @@ monitor's work on pools: all with fakes, no sockets."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.breaker import BreakerConfig, DraftBreaker, DraftFailure
@@ -162,3 +164,33 @@ async def test_the_monitor_takes_members_back_reads_their_load_and_settles_owed_
     for member in targets.members.values():
         member.client.up = False
     assert not await monitor.check()
+
+
+async def test_the_monitor_checks_often_until_ready_then_at_its_interval(tokenizer):
+    model = ServedModel("tiny", tokenizer, 128)
+    targets = Pool("target", "10.0.0.1:1", lambda a, _: FakeTarget(a, model.fingerprint))
+    drafts = Pool("draft", "10.0.0.3:1", lambda a, _: FakeDraft(a, ""), breaker=DraftBreaker)
+    monitor = UpstreamMonitor(targets, drafts, model)
+    target = targets.members["10.0.0.1:1"].client
+    target.up = False  # still loading
+    assert not await monitor.check()
+    checks = []
+    real_check = monitor.check
+
+    async def counted_check() -> bool:
+        checks.append(monitor.ready)
+        if len(checks) == 3:
+            target.up = True  # the target serves from the third check on
+        return await real_check()
+
+    monitor.check = counted_check
+    watching = asyncio.create_task(monitor.watch(interval=60.0, waiting_interval=0.01))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if monitor.ready:
+            break
+    await asyncio.sleep(0.1)
+    watching.cancel()
+    assert monitor.ready  # within a few waiting intervals, not the 60 s interval
+    assert len(checks) == 3  # and once ready, the next check waits for the interval
+
