@@ -213,4 +213,3 @@ def _one_gguf_parse() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = real
-

@@ -227,6 +227,6 @@ def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], architec
         layout[name] = {"group": weight.group, "bits": weight.bits, "zero": weight.zero, "source": weight.source,
                         "mins": weight.mins is not None}
     tmp = blocks_file.with_name(f"{blocks_file.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"source": source, "architecture": architecture,
-                                               "tensors": json.dumps(layout)})
+    metadata = {"source": source, "architecture": architecture, "tensors": json.dumps(layout)}
+    save_file(tensors, str(tmp), metadata=metadata)
     tmp.rename(blocks_file)
