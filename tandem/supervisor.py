@@ -121,6 +121,7 @@ class Supervisor:
         self._stopping = False
 
     def prepare_models(self) -> None:
+        prebuild = self._prebuild_kernels()
         for role, spec in (("target", self.settings.target_model), ("draft", self.settings.draft_model)):
             if models.is_model_free_draft(spec):
                 continue  # no model of its own (an eagle head reads the target's, prepared above)
@@ -128,6 +129,20 @@ class Supervisor:
             log.info("preparing %s model %s (the first start converts a GGUF once)", role, spec)
             resolved = models.resolve(spec)
             log.info("%s model ready in %s (%.1fs)", role, resolved.hf_dir, time.monotonic() - started)
+        if prebuild is not None:
+            prebuild.wait()
+
+    def _prebuild_kernels(self) -> subprocess.Popen | None:
+        """On a first start (the target's GGUF not converted yet) of a target that computes on its
+        GGUF blocks on CPU, compiles the CPU kernels in a process of its own while the conversion
+        runs, instead of in the target after it (``tandem.quant.native.prebuild``)."""
+        settings = self.settings
+        on_gguf_blocks = not settings.device.startswith("cuda") and settings.dtype == "auto"
+        if not on_gguf_blocks or not models.needs_conversion(settings.target_model):
+            return None
+        log.info("building the CPU kernels beside the conversion (first start only)")
+        return subprocess.Popen([sys.executable, "-c", "from tandem.quant.native import prebuild; prebuild()"],
+                                stdin=subprocess.DEVNULL)
 
     def start(self) -> None:
         for child in self.children:

@@ -145,6 +145,27 @@ def test_the_build_is_cached_in_the_tandem_cache(kernel, kind: str) -> None:
     assert folder.parent == native_cache() / "kernels" and any(folder.glob("*.so"))
 
 
+def test_prebuild_builds_only_what_the_probes_build_lacks(monkeypatch, tmp_path: Path) -> None:
+    """What ``tandem serve`` runs beside a first conversion: the probe's three builds, each only
+    where its folder has no library yet; a failed build is left to the target."""
+    monkeypatch.setattr(native, "probe", lambda: ("avx2int8", "forced"))
+    monkeypatch.setattr(native, "build_folder", lambda isa, kind="": tmp_path / f"{isa}-{kind or 'product'}")
+    (tmp_path / "avx2int8-product").mkdir()
+    (tmp_path / "avx2int8-product" / "lib.so").write_bytes(b"")
+    built = []
+
+    def fake_build(isa: str, kind: str = "") -> str:
+        if kind == "attention":
+            raise RuntimeError("no compiler")
+        built.append((isa, kind))
+        return "built"
+
+    monkeypatch.setattr(native, "_build", fake_build)
+    assert native.prebuild() == ["avx2int8/decoder"] and built == [("avx2int8", "decoder")]
+    monkeypatch.setattr(native, "probe", lambda: (None, "no AVX2"))
+    assert native.prebuild() == []
+
+
 def native_cache() -> Path:
     from tandem.models import cache_dir
 

@@ -3,6 +3,7 @@ keep running, and each restarted child is told how often it was restarted (its m
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -126,3 +127,54 @@ def test_each_child_of_a_fleet_logs_under_its_own_name():
     children = child_commands(ServeSettings(targets=2, drafts=1, target_port=0, draft_port=0, grpc_port=0,
                                             http_port=0))
     assert [c.env["TANDEM_LOG_NAME"] for c in children] == ["target-0", "target-1", "draft-0", "gateway"]
+
+
+def test_a_first_start_builds_the_kernels_beside_the_conversion(monkeypatch, tmp_path: Path) -> None:
+    """The kernels' build (a process of its own) runs while the GGUF converts, and is done before
+    any child starts; a warm start, a CUDA target or float32 weights start no build."""
+    from tandem import models
+    from tandem.models import specs
+
+    events: list[str] = []
+
+    class FakeBuild:
+        def __init__(self, argv, **_kwargs) -> None:
+            assert "prebuild()" in argv[-1]
+            events.append("build started")
+
+        def wait(self) -> int:
+            events.append("build waited for")
+            return 0
+
+    def fake_resolve(spec: str) -> specs.ResolvedSpec:
+        events.append(f"resolved {spec}")
+        return specs.ResolvedSpec(spec, spec, tmp_path)
+
+    monkeypatch.setattr(subprocess, "Popen", FakeBuild)
+    monkeypatch.setattr(models, "resolve", fake_resolve)
+    monkeypatch.setattr(models, "needs_conversion", lambda spec: spec == "gemma-3-270m")
+    Supervisor(ServeSettings(draft_model="ngram"), children=[]).prepare_models()
+    assert events == ["build started", "resolved gemma-3-270m", "build waited for"]
+    for settings in (ServeSettings(draft_model="ngram", device="cuda:0"),
+                     ServeSettings(draft_model="ngram", dtype="float32"),
+                     ServeSettings(draft_model="ngram", target_model=str(tmp_path))):
+        events.clear()
+        Supervisor(settings, children=[]).prepare_models()
+        assert events == [f"resolved {settings.target_model}"]
+
+
+def test_needs_conversion_says_whether_a_spec_converts_without_converting(monkeypatch, tmp_path: Path) -> None:
+    from tandem.models import specs
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(specs, "_convert_gguf", lambda *_args: pytest.fail("nothing converts"))
+    gguf = tmp_path / "my.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert specs.needs_conversion("gemma-3-270m") and specs.needs_conversion(str(gguf))
+    (specs._gguf_out(gguf) / ".complete").parent.mkdir(parents=True)
+    (specs._gguf_out(gguf) / ".complete").write_text("{}")
+    (tmp_path / "cache" / "models" / "gemma-3-270m").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "gemma-3-270m" / ".complete").write_text("{}")
+    assert not specs.needs_conversion("gemma-3-270m") and not specs.needs_conversion(str(gguf))
+    assert not specs.needs_conversion(str(tmp_path))  # a checkpoint folder converts nothing
+

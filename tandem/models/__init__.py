@@ -30,6 +30,7 @@ from tandem.models.specs import (
     default_served_name,
     is_eagle_draft,
     is_model_free_draft,
+    needs_conversion,
     ngram_first_head,
     resolve,
     resolve_draft_spec,
@@ -39,5 +40,5 @@ __all__ = [
     "AUTO_DRAFT", "BUILTIN_HEADS_DIR", "BUILTIN_MODELS", "DEFAULT_TARGET", "DRAFT_NAMES", "EAGLE_CONFIG_FILE",
     "EAGLE_DRAFT", "MODEL_FREE_DRAFTS", "NGRAM_FIRST_PREFIX", "LoadedModel", "ModelSpecError", "ResolvedSpec",
     "cache_dir", "default_served_name", "is_eagle_draft", "is_model_free_draft", "load_model", "load_tokenizer",
-    "ngram_first_head", "pick_device", "pick_dtype", "resolve", "resolve_draft_spec", "tokenizer_fingerprint",
+    "needs_conversion", "ngram_first_head", "pick_device", "pick_dtype", "resolve", "resolve_draft_spec", "tokenizer_fingerprint",
 ]

@@ -118,6 +118,14 @@ def resolve(spec: str) -> ResolvedSpec:
     )
 
 
+def needs_conversion(spec: str) -> bool:
+    """Whether resolving ``spec`` would convert a GGUF now (its first start), without doing it."""
+    if spec in BUILTIN_MODELS:
+        return not (cache_dir() / "models" / spec / ".complete").exists()
+    path = Path(spec).expanduser()
+    return path.is_file() and path.suffix == ".gguf" and not (_gguf_out(path) / ".complete").exists()
+
+
 def _builtin_hf_dir(name: str) -> Path:
     out = cache_dir() / "models" / name
     if not (out / ".complete").exists():
@@ -144,10 +152,14 @@ def _builtin_gguf(name: str) -> Path:
     return path
 
 
-def _gguf_hf_dir(path: Path) -> Path:
+def _gguf_out(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    return cache_dir() / "models" / f"{path.stem}-{key}"
+
+
+def _gguf_hf_dir(path: Path) -> Path:
+    out = _gguf_out(path)
     if not (out / ".complete").exists():
         _convert_gguf(path, out)
     return out

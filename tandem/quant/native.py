@@ -185,6 +185,27 @@ def available_kernels() -> list[str]:
     return found
 
 
+def prebuild() -> list[str]:
+    """Compiles into the tandem cache what a target on this host builds at its first start (the
+    probe's product kernel, its row attention and the decoder ops) where it is not built yet;
+    returns the builds made. ``tandem serve`` runs it in a process of its own while it converts a
+    GGUF on a first start, so the compiler and the conversion share the two cores rather than
+    follow each other. A build that fails is left to the target, which says why and falls back."""
+    isa, _ = probe()
+    if isa is None:
+        return []
+    made = []
+    for kind in ("", "attention", "decoder"):
+        if any(build_folder(isa, kind).glob("*.so")):
+            continue
+        try:
+            _build(isa, kind)
+            made.append(f"{isa}/{kind or 'product'}")
+        except Exception as error:  # noqa: BLE001  the target builds it again and reports the error
+            log.warning("prebuilding %s/%s failed: %s", isa, kind or "product", str(error)[-200:])
+    return made
+
+
 def _library(isa: str, kind: str = "") -> str:
     return f"tandem_{kind}_{isa}" if kind else f"tandem_quant_{isa}"
 
