@@ -121,13 +121,17 @@ def resolve(spec: str) -> ResolvedSpec:
 def needs_conversion(spec: str) -> bool:
     """Whether resolving ``spec`` would convert a GGUF now (its first start), without doing it."""
     if spec in BUILTIN_MODELS:
-        return not (cache_dir() / "models" / spec / ".complete").exists()
+        return not (_builtin_out(spec) / ".complete").exists()
     path = Path(spec).expanduser()
     return path.is_file() and path.suffix == ".gguf" and not (_gguf_out(path) / ".complete").exists()
 
 
+def _builtin_out(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
 def _builtin_hf_dir(name: str) -> Path:
-    out = cache_dir() / "models" / name
+    out = _builtin_out(name)
     if not (out / ".complete").exists():
         _convert_gguf(_builtin_gguf(name), out)
     return out
