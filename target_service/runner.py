@@ -29,7 +29,9 @@ from target_service.model_info import sliding_window
 from target_service.session import SamplingTensors, Session, SessionConfig, make_generator
 from target_service.verifier import select_verifier
 
-RAGGED_LONE_MAX_ROWS = 16  # a longer lone step (a prompt chunk) keeps transformers' causal SDPA path
+# A longer lone step (a prompt chunk) keeps transformers' causal SDPA path, unless the runner is
+# row-exact: then a prompt is computed the same way alone and beside other sessions.
+RAGGED_LONE_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class ModelRunner:
         sdpa = self.attention == ragged.PREFIX + "sdpa"
         self.ragged_after = sliding_window(text_config) if sdpa else None
         # int8 activations turn a multi-row pass's rounding noise into changed tokens: then every
-        # short pass, a decode step included, runs through ragged.forward attending row by row.
+        # pass, a decode step and a lone prompt chunk included, runs through ragged.forward attending
+        # row by row, so what a session computes never depends on the sessions beside it in a pass.
         self.row_exact = sdpa and int8_activations(self.model)
         # A quantized Gemma 3 runs ragged passes without transformers' module tree (gemma_pass): a
         # lone short step is then cheaper through ragged.forward whatever its kernel.
@@ -152,7 +155,7 @@ class ModelRunner:
         """Each step's scores and hidden states ``[n, hidden_size]`` (None unless it asked), from
         one forward pass. A session alone runs as :meth:`forward` does, except a short step past
         the sliding window, which the ragged path runs faster (the same logits up to float
-        summation order)."""
+        summation order), and every step of a row-exact runner (see ``_ragged_pays``)."""
         if not self.batched or (len(steps) == 1 and steps[0].tree is None and not self._ragged_pays(steps[0])):
             outputs = [
                 self.forward(
@@ -258,9 +261,14 @@ class ModelRunner:
     def _ragged_pays(self, step: Step) -> bool:
         """Whether a session alone runs through ``ragged.forward`` rather than :meth:`forward`: it is
         faster past the sliding window or without the module tree (``lean``), and it is the row-exact
-        path (``row_exact``)."""
+        path (``row_exact``, at any length). A row-exact runner computes every row, a prompt's too,
+        as a one-token step at its position would, so a prompt prefilled alone fills the cache bit
+        for bit as one prefilled beside other sessions' steps does; through the module tree it would
+        differ by rounding, which int8 activations turn into other tokens: a greedy answer would
+        depend on the server's load (and on whether the session speculated)."""
+        if self.row_exact:
+            return True
         return len(step.token_ids) <= RAGGED_LONE_MAX_ROWS and (
-            self.row_exact
-            or self.lean
+            self.lean
             or (self.ragged_after is not None and kv_cache.cache_length(step.session.cache) > self.ragged_after)
         )

@@ -287,3 +287,34 @@ def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gg
         outputs.append((generated, verdict.num_accepted, verdict.committed_token_ids))
     assert outputs[0] == outputs[1]
     assert any(s.argmax is not None and s.logits is None for s in seen)
+
+
+@pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # int8 activations: the row-exact runner
+def test_a_prompt_fills_the_cache_alike_alone_and_beside_other_sessions(tiny_gguf_gemma, tmp_path, isa) -> None:
+    """A 30-token prompt (past the sliding window of 8, and longer than a short step) prefilled
+    alone, and prefilled in one pass with another session's decode step: the same first token,
+    the cache bit for bit, and the same greedy tokens after it. Through the module tree alone and
+    the ragged path beside others, int8 activations made a greedy answer depend on the load."""
+    from tandem import models
+    from target_service.planner import DecodeStep
+    from target_service.session import SessionConfig
+
+    hf_dir, _ = tiny_gguf_gemma
+    model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    loaded = models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir, "float32", "cpu",
+                                "quantized:test")
+    alone, beside = TargetEngine(loaded), TargetEngine(loaded)
+    assert alone.runner.row_exact
+    prompt = [3 + (7 * i) % 200 for i in range(30)]
+    config = SessionConfig(max_new_tokens=12, ignore_eos=True)
+    first_alone = alone.prefill("p", prompt, config)
+    beside.prefill("other", list(range(50, 60)), config)
+    job = beside.begin_prefill("p", prompt, config)
+    answers = beside.run_batch([job, DecodeStep("other")])
+    while answers[0] is None:  # the prompt in chunks (one here: the default chunk holds it)
+        answers = beside.run_batch([job])
+    assert answers[0].token_id == first_alone.token_id
+    for want, got in zip(alone.store.get("p").cache.layers, beside.store.get("p").cache.layers, strict=True):
+        assert torch.equal(got.keys[..., : len(prompt), :], want.keys[..., : len(prompt), :])
+        assert torch.equal(got.values[..., : len(prompt), :], want.values[..., : len(prompt), :])
+    assert beside.generate("p", 8).token_ids == alone.generate("p", 8).token_ids
