@@ -48,6 +48,26 @@ def test_every_mode_runs_at_every_position_and_before_every_other_equally(count:
     assert mode_order([], 3) == []
 
 
+def test_overlapping_requests_run_each_server_in_phases_of_its_own() -> None:
+    """Where requests overlap, tandem's modes share their phases and each peer has its own, in an
+    order that turns with each pass over the prompt set; one request at a time, one phase."""
+    from tandem.tools.bench.run import server_phases
+
+    modes, peers = ["speculative", "autoregressive"], ["peer:h:1", "peer:h:2"]
+    prompts = [Prompt("code", f"p{i}") for i in range(2)] * 3  # two prompts, --repeats 3
+    assert server_phases(prompts, modes, peers, 3, concurrent=False) == [interleaved_jobs(prompts, [*modes, *peers])]
+    assert server_phases(prompts, modes, [], 3, concurrent=True) == [interleaved_jobs(prompts, modes)]
+    phases = server_phases(prompts, modes, peers, 3, concurrent=True)
+    groups = [sorted({job.mode for job in phase}) for phase in phases]
+    assert groups == [modes[::-1], ["peer:h:1"], ["peer:h:2"],  # pass 0
+                      ["peer:h:1"], ["peer:h:2"], modes[::-1],  # pass 1 starts one further
+                      ["peer:h:2"], modes[::-1], ["peer:h:1"]]
+    for number, phase in enumerate(phases):
+        assert {job.prompt_index for job in phase} == {2 * (number // 3), 2 * (number // 3) + 1}
+    every = sorted((job.prompt_index, job.mode) for phase in phases for job in phase)
+    assert every == sorted((job.prompt_index, job.mode) for job in interleaved_jobs(prompts, [*modes, *peers]))
+
+
 def test_poisson_offsets_are_seeded_and_have_the_rate() -> None:
     a = poisson_offsets(2000, rate=10.0, seed=3)
     assert a == poisson_offsets(2000, rate=10.0, seed=3) and a != poisson_offsets(2000, rate=10.0, seed=4)

@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--stream-smoothing", choices=("off", "auto"), default=None,
                       help="the stream_smoothing field of each request (default: the gateway's setting)")
     peers = parser.add_argument_group(
-        "peers", "other OpenAI-compatible servers (--peer-url), interleaved with tandem's modes; then transformers' "
+        "peers", "other OpenAI-compatible servers (--peer-url), interleaved with tandem's modes (where requests "
+        "overlap, each server in phases of its own); then transformers' "
         "assisted generation (--peer), in-process, alone on the machine")
     peers.add_argument("--peer-url", action="append", default=None, metavar="URL",
                        help="an OpenAI-compatible server (llama-server, vLLM, ollama, another tandem) sent the same "

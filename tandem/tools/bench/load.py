@@ -49,11 +49,12 @@ def mode_order(modes: Sequence[str], prompt_index: int) -> list[str]:
     return order[::-1] if prompt_index % 2 else order
 
 
-def interleaved_jobs(prompts: Sequence[Prompt], modes: Sequence[str] = MODES) -> list[Job]:
-    """Every prompt once per mode, the modes of a prompt next to each other in ``mode_order``."""
+def interleaved_jobs(prompts: Sequence[Prompt], modes: Sequence[str] = MODES, first_index: int = 0) -> list[Job]:
+    """Every prompt once per mode, the modes of a prompt next to each other in ``mode_order``;
+    prompts are numbered from ``first_index`` (a slice of a longer schedule keeps its numbers)."""
     modes = list(modes)
     jobs: list[Job] = []
-    for prompt_index, prompt in enumerate(prompts):
+    for prompt_index, prompt in enumerate(prompts, start=first_index):
         for mode in mode_order(modes, prompt_index):
             jobs.append(Job(len(jobs), prompt_index, prompt, mode))
     return jobs

@@ -66,15 +66,45 @@ def run_http_phases(
                 return run_peer_one(client, peer, job.prompt, options, job.prompt_index)
             return run_one(client, url, job.prompt, job.mode, options, job.prompt_index)
 
-        jobs = interleaved_jobs(prompts, [*modes, *by_mode])
-        bar = progress_bar(len(jobs), "bench " + "/".join([*modes, *by_mode]), progress)
+        phases = server_phases(prompts, modes, list(by_mode), args.repeats, concurrent=load_overlaps(args))
+        bar = progress_bar(sum(len(jobs) for jobs in phases), "bench " + "/".join([*modes, *by_mode]), progress)
         started = time.perf_counter()
+        results: list[RequestResult] = []
         try:
-            results = run_jobs(jobs, send, concurrency=args.concurrency, request_rate=args.request_rate,
-                               seed=args.seed, on_done=lambda _result: bar.update(1))
+            for jobs in phases:
+                results += run_jobs(jobs, send, concurrency=args.concurrency, request_rate=args.request_rate,
+                                    seed=args.seed, on_done=lambda _result: bar.update(1))
         finally:
             bar.close()
         return results, time.perf_counter() - started
+
+
+def load_overlaps(args: argparse.Namespace) -> bool:
+    """Whether more than one request is in flight at a time (closed loop above 1, or open loop)."""
+    return (args.concurrency or 1) > 1 or args.request_rate > 0
+
+
+def server_phases(prompts: Sequence[Prompt], modes: Sequence[str], peer_modes: Sequence[str], repeats: int,
+                  concurrent: bool) -> list[list[Job]]:
+    """The schedule as phases run one after another, each a list of jobs run under the load.
+
+    One request at a time, every mode of a prompt, tandem's and each peer's, runs next to the
+    others (one phase). Where requests overlap, a peer is another server on what may be the same
+    machine, and two servers decoding at once would each measure the other's load: then tandem's
+    modes (which share one server, as its users do) and each peer run in phases of their own, in an
+    order that turns by one for each pass over the prompt set (``repeats``), so none always goes
+    first."""
+    if not concurrent or not peer_modes:
+        return [interleaved_jobs(prompts, [*modes, *peer_modes])]
+    groups = [list(modes), *([mode] for mode in peer_modes)]
+    per_pass = len(prompts) // repeats if repeats > 0 and len(prompts) % repeats == 0 else len(prompts)
+    phases = []
+    for start in range(0, len(prompts), per_pass):
+        turn = start // per_pass
+        for group in groups[turn % len(groups):] + groups[: turn % len(groups)]:
+            if group:
+                phases.append(interleaved_jobs(prompts[start : start + per_pass], group, first_index=start))
+    return phases
 
 
 def peer_plan(args: argparse.Namespace, model_id: str, own_stack: bool) -> str | None:
