@@ -5,6 +5,10 @@ Some sessions are known not to profit from speculation before their first token:
 * ``speculation: "off"`` in the request (reason ``speculation_off``);
 * a sampling temperature above ``max_temperature`` (reason ``high_temperature``; default: none,
   every temperature may speculate);
+* a sampled request that names a ``seed`` (reason ``seeded``): the seed fixes the session's draws,
+  and autoregressive decoding takes one draw per token, so the same request gives the same tokens
+  whatever the load; speculative decoding keeps the target's distribution, but which draw decides
+  which position depends on the drafts, which adapt to measured timings (docs/sampling.md#seeds);
 * a temperature at which speculation measured slower than autoregressive decoding on this server
   (:mod:`gateway.prior`; reason ``prior_slower``): the draft's and the target's distributions drift
   apart as they flatten, so acceptance falls, but by how much depends on the host, the models
@@ -37,6 +41,7 @@ SATURATED = "saturated"
 LOW_ACCEPTANCE = "low_acceptance"
 SLOWER_THAN_AUTOREGRESSIVE = "slower_than_autoregressive"
 PRIOR_SLOWER = "prior_slower"
+SEEDED = "seeded"
 
 
 class Mode(str, enum.Enum):
@@ -78,6 +83,8 @@ class SpeculationPolicy:
         limit = self.config.max_temperature
         if limit is not None and request.sampling.temperature > limit:
             return Decision(Mode.AUTOREGRESSIVE, HIGH_TEMPERATURE)
+        if request.sampling.seed is not None and not request.sampling.greedy:
+            return Decision(Mode.AUTOREGRESSIVE, SEEDED)
         if self.saturated(active_sessions):
             return Decision(Mode.AUTOREGRESSIVE, SATURATED)
         if not draft_ready:
@@ -94,4 +101,4 @@ class SpeculationPolicy:
     def may_return(reason: str | None) -> bool:
         """Whether a session that fell back for ``reason`` may later probe speculation again:
         not when the reason is fixed for the session's lifetime (its request)."""
-        return reason not in (SPECULATION_OFF, HIGH_TEMPERATURE)
+        return reason not in (SPECULATION_OFF, HIGH_TEMPERATURE, SEEDED)

@@ -35,7 +35,8 @@ async def streamed(stack, body: dict) -> tuple[list[str], dict]:
 
 @pytest.mark.parametrize(
     ("body", "reason"),
-    [({"temperature": 1.0}, "high_temperature"), ({"temperature": 0, "speculation": "off"}, "speculation_off")],
+    [({"temperature": 1.0}, "high_temperature"), ({"temperature": 0, "speculation": "off"}, "speculation_off"),
+     ({"temperature": 0.5, "seed": 7}, "seeded")],
 )
 async def test_up_front_fallbacks_are_counted_with_their_reason(tokenizer, tiny_dir, body, reason):
     async with fake_stack(tokenizer, str(tiny_dir), fallback_max_temperature=0.8) as stack:

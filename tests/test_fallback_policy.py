@@ -14,6 +14,7 @@ from gateway.policy import (
     HIGH_TEMPERATURE,
     LOW_ACCEPTANCE,
     SATURATED,
+    SEEDED,
     SLOWER_THAN_AUTOREGRESSIVE,
     SPECULATION_OFF,
     Decision,
@@ -26,8 +27,8 @@ from gateway.request import GenerationRequest, SamplingParams, Speculation
 SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
 
 
-def request(speculation=Speculation.AUTO, temperature=0.0) -> GenerationRequest:
-    return GenerationRequest((1, 2), 100, SamplingParams(temperature, 1.0, 0, None), (), (), False, speculation, None)
+def request(speculation=Speculation.AUTO, temperature=0.0, seed=None) -> GenerationRequest:
+    return GenerationRequest((1, 2), 100, SamplingParams(temperature, 1.0, 0, seed), (), (), False, speculation, None)
 
 
 # ---- up-front policies -------------------------------------------------------------------------
@@ -44,8 +45,12 @@ def request(speculation=Speculation.AUTO, temperature=0.0) -> GenerationRequest:
         (request(), True, 64, Decision(AR, SATURATED)),
         (request(), True, 63, Decision(SPEC)),
         (request(), False, 0, Decision(AR, DRAFT_UNAVAILABLE)),
+        # A seeded sampled request keeps its tokens reproducible; a greedy one is reproducible anyway.
+        (request(temperature=0.7, seed=5), True, 0, Decision(AR, SEEDED)),
+        (request(temperature=0.0, seed=5), True, 0, Decision(SPEC)),
         # "on" means speculate or fail: no rule overrides it.
         (request(Speculation.ON, temperature=1.5), False, 100, Decision(SPEC)),
+        (request(Speculation.ON, temperature=1.0, seed=5), True, 0, Decision(SPEC)),
     ],
 )
 def test_initial_decision(req, ready, active, expected):
@@ -238,7 +243,7 @@ def test_draft_outage_reprobes_only_when_the_draft_may_be_used():
 
 
 def test_fixed_reasons_never_reprobe():
-    for reason in (SPECULATION_OFF, HIGH_TEMPERATURE):
+    for reason in (SPECULATION_OFF, HIGH_TEMPERATURE, SEEDED):
         c = controller(start=Decision(AR, reason))
         c.observe_autoregressive(10_000)
         assert c.next_leg() == (Leg(AR, 0), None)  # one unbounded Generate

@@ -148,7 +148,8 @@ async def test_speculation_off_uses_target_generate(stack, sdk):
 async def test_stop_strings_and_extension_fields(stack, sdk):
     response = await sdk.chat.completions.create(
         model=model_name(stack), messages=[{"role": "user", "content": "Hi"}], stop=["日本"],
-        extra_body={"num_speculative_tokens": 6, "top_k": 5, "ignore_eos": True}, seed=7,
+        # "on": a seeded sampled request would otherwise decode autoregressively (reason "seeded").
+        extra_body={"num_speculative_tokens": 6, "top_k": 5, "ignore_eos": True, "speculation": "on"}, seed=7,
     )
     assert response.choices[0].message.content == "Hello wörld ✓ "
     assert response.choices[0].finish_reason == "stop"
