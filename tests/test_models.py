@@ -9,6 +9,8 @@ import pytest
 
 from tandem import models
 from tandem.models import specs
+from tandem.quant import checkpoint
+from tandem.quant.native import QuantKernel
 from tiny import make_tiny_model
 
 
@@ -64,3 +66,15 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     loaded = models.load_model(str(gguf), device="cpu", dtype="float32")
     assert loaded.name == "my-gemma" and loaded.model.config.vocab_size == 262144
     assert models.tokenizer_fingerprint(loaded.tokenizer) == builtin_fingerprint
+
+    # The conversion repacked the file's blocks from its one parse, unchecked; the first
+    # quantize_model reads no GGUF, compares them in full, and marks them checked.
+    blocks_file = first.hf_dir / checkpoint.BLOCKS_FILE
+    assert checkpoint._read_cache(blocks_file, checkpoint._source_id(gguf))[2] is False
+    monkeypatch.setattr(gguf_py, "GGUFReader", lambda *_args: pytest.fail("the GGUF file was parsed again"))
+    compared = []
+    real_equal = checkpoint._equal
+    monkeypatch.setattr(checkpoint, "_equal", lambda w, dense, full: compared.append(full) or real_equal(w, dense, full))
+    summary = checkpoint.quantize_model(loaded.model, gguf, blocks_file, QuantKernel("reference"))
+    assert summary.swapped and "Q4_K" in summary.by_type and compared and all(compared)
+    assert checkpoint._read_cache(blocks_file, checkpoint._source_id(gguf))[2] is True

@@ -192,6 +192,8 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
+        tmp.mkdir(parents=True)
+        _write_blocks(gguf_path, tmp)
     # The weights are de-quantised floats now; drop the GGUF quantiser so they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -202,6 +204,19 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
+
+
+def _write_blocks(gguf_path: Path, out: Path) -> None:
+    """The file's own blocks, from the conversion's parse, for a CPU target to compute on (it
+    would otherwise parse the file again at its first start); where that fails the target repacks
+    them itself and reports why."""
+    from tandem.quant.checkpoint import BLOCKS_FILE, write_blocks
+
+    try:
+        write_blocks(gguf_path, out / BLOCKS_FILE)
+    except Exception as error:  # noqa: BLE001  only a head start: the conversion itself succeeded
+        log.warning("could not repack the quantized tensors of %s with its conversion: %s", gguf_path, error)
+        (out / BLOCKS_FILE).unlink(missing_ok=True)
 
 
 @contextmanager

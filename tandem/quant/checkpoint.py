@@ -16,7 +16,9 @@ weight, and the summary says which.
 The repacked blocks are cached beside the float32 conversion (``BLOCKS_FILE``, safetensors) with
 the file's architecture (all the name map needs from it), so only the first start reads the GGUF
 file: gguf-py parses every metadata field when it opens one, a 262,144-token vocabulary included
-(about 10 s for gemma-3-270m).
+(about 10 s for gemma-3-270m). The conversion itself writes the cache from the reader it already
+holds (:func:`write_blocks`), marked unchecked; the first load compares it in full, as it would
+blocks it had repacked itself, and marks it checked.
 """
 
 from __future__ import annotations
@@ -149,19 +151,30 @@ def _gguf_names(model: nn.Module, arch_name: str) -> dict[str, str]:
     return names
 
 
+def write_blocks(gguf_path: Path, blocks_file: Path) -> None:
+    """Repacks the GGUF file's quantized tensors into ``blocks_file``, marked unchecked (the first
+    :func:`quantize_model` compares them in full). For the conversion, which has the file parsed
+    already (``tandem.models.specs``): the first start then reads it once, not twice."""
+    blocks, architecture = _repack(gguf_path)
+    _write_cache(blocks_file, blocks, architecture, _source_id(gguf_path), checked=False)
+
+
 def _blocks(gguf_path: Path, blocks_file: Path) -> tuple[dict[str, QuantizedTensor], str, bool]:
     """The GGUF file's quantized tensors and architecture, from the cache or read now (then cached);
-    and whether they were read now (then ``quantize_model`` checks them in full)."""
+    and whether they are compared in full now (read now, or cached unchecked by the conversion)."""
     source = _source_id(gguf_path)
     cached = _read_cache(blocks_file, source)
-    if cached is not None:
-        return *cached, False
+    if cached is not None and cached[2]:
+        return cached[0], cached[1], False
     blocks_file.parent.mkdir(parents=True, exist_ok=True)
     with open(blocks_file.with_name(blocks_file.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the target and a draft may start together
         cached = _read_cache(blocks_file, source)
         if cached is not None:
-            return *cached, False
+            blocks, architecture, checked = cached
+            if not checked:
+                _write_cache(blocks_file, blocks, architecture, source)  # compared in full by the caller now
+            return blocks, architecture, not checked
         log.info("repacking the quantized tensors of %s (first start only)", gguf_path)
         blocks, architecture = _repack(gguf_path)
         _write_cache(blocks_file, blocks, architecture, source)
@@ -188,9 +201,9 @@ def _source_id(gguf_path: Path) -> str:
     return f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|layout {LAYOUT_VERSION}"
 
 
-def _read_cache(blocks_file: Path, source: str) -> tuple[dict[str, QuantizedTensor], str] | None:
-    """(blocks, architecture) as ``_write_cache`` wrote them for ``source``; None where the file is
-    missing, damaged, of another source, or written before it kept the architecture."""
+def _read_cache(blocks_file: Path, source: str) -> tuple[dict[str, QuantizedTensor], str, bool] | None:
+    """(blocks, architecture, checked) as ``_write_cache`` wrote them for ``source``; None where the
+    file is missing, damaged, of another source, or written before it kept the architecture."""
     from safetensors import safe_open
 
     if not blocks_file.is_file():
@@ -209,13 +222,14 @@ def _read_cache(blocks_file: Path, source: str) -> tuple[dict[str, QuantizedTens
                 )
                 for name, spec in layout.items()
             }
-            return blocks, meta["architecture"]
+            return blocks, meta["architecture"], meta.get("checked", "1") == "1"
     except Exception as error:  # noqa: BLE001  a damaged cache (of any kind: safetensors has its own errors) is made again
         log.warning("ignoring the cached blocks in %s: %s", blocks_file, error)
         return None
 
 
-def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], architecture: str, source: str) -> None:
+def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], architecture: str, source: str,
+                 checked: bool = True) -> None:
     from safetensors.torch import save_file
 
     tensors, layout = {}, {}
@@ -227,6 +241,7 @@ def _write_cache(blocks_file: Path, blocks: dict[str, QuantizedTensor], architec
         layout[name] = {"group": weight.group, "bits": weight.bits, "zero": weight.zero, "source": weight.source,
                         "mins": weight.mins is not None}
     tmp = blocks_file.with_name(f"{blocks_file.name}.tmp{os.getpid()}")
-    metadata = {"source": source, "architecture": architecture, "tensors": json.dumps(layout)}
+    metadata = {"source": source, "architecture": architecture, "tensors": json.dumps(layout),
+                "checked": "1" if checked else "0"}
     save_file(tensors, str(tmp), metadata=metadata)
     tmp.rename(blocks_file)
