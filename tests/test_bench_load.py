@@ -64,6 +64,7 @@ def test_overlapping_requests_run_each_server_in_phases_of_its_own() -> None:
                       ["peer:h:2"], modes[::-1], ["peer:h:1"]]
     for number, phase in enumerate(phases):
         assert {job.prompt_index for job in phase} == {2 * (number // 3), 2 * (number // 3) + 1}
+    assert [job.index for phase in phases for job in phase] == list(range(2 * 4 * 3))
     every = sorted((job.prompt_index, job.mode) for phase in phases for job in phase)
     assert every == sorted((job.prompt_index, job.mode) for job in interleaved_jobs(prompts, [*modes, *peers]))
 

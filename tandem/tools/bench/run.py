@@ -4,6 +4,8 @@ under the chosen load), then the in-process transformers peer alone on the machi
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import sys
 import time
 from collections.abc import Sequence
@@ -104,7 +106,8 @@ def server_phases(prompts: Sequence[Prompt], modes: Sequence[str], peer_modes: S
         for group in groups[turn % len(groups):] + groups[: turn % len(groups)]:
             if group:
                 phases.append(interleaved_jobs(prompts[start : start + per_pass], group, first_index=start))
-    return phases
+    positions = itertools.count()  # a job's index is its place in the whole schedule
+    return [[dataclasses.replace(job, index=next(positions)) for job in phase] for phase in phases]
 
 
 def peer_plan(args: argparse.Namespace, model_id: str, own_stack: bool) -> str | None:
