@@ -48,25 +48,26 @@ def test_every_mode_runs_at_every_position_and_before_every_other_equally(count:
     assert mode_order([], 3) == []
 
 
-def test_overlapping_requests_run_each_server_in_phases_of_its_own() -> None:
-    """Where requests overlap, tandem's modes share their phases and each peer has its own, in an
+def test_overlapping_requests_run_each_mode_in_phases_of_its_own() -> None:
+    """Where requests overlap, every mode (tandem's and each peer's) has phases of its own, in an
     order that turns with each pass over the prompt set; one request at a time, one phase."""
     from tandem.tools.bench.run import server_phases
 
-    modes, peers = ["speculative", "autoregressive"], ["peer:h:1", "peer:h:2"]
+    modes, peers = ["speculative", "autoregressive"], ["peer:h:1"]
     prompts = [Prompt("code", f"p{i}") for i in range(2)] * 3  # two prompts, --repeats 3
     assert server_phases(prompts, modes, peers, 3, concurrent=False) == [interleaved_jobs(prompts, [*modes, *peers])]
-    assert server_phases(prompts, modes, [], 3, concurrent=True) == [interleaved_jobs(prompts, modes)]
     phases = server_phases(prompts, modes, peers, 3, concurrent=True)
     groups = [sorted({job.mode for job in phase}) for phase in phases]
-    assert groups == [modes[::-1], ["peer:h:1"], ["peer:h:2"],  # pass 0
-                      ["peer:h:1"], ["peer:h:2"], modes[::-1],  # pass 1 starts one further
-                      ["peer:h:2"], modes[::-1], ["peer:h:1"]]
+    assert groups == [["speculative"], ["autoregressive"], ["peer:h:1"],  # pass 0
+                      ["autoregressive"], ["peer:h:1"], ["speculative"],  # pass 1 starts one further
+                      ["peer:h:1"], ["speculative"], ["autoregressive"]]
     for number, phase in enumerate(phases):
         assert {job.prompt_index for job in phase} == {2 * (number // 3), 2 * (number // 3) + 1}
-    assert [job.index for phase in phases for job in phase] == list(range(2 * 4 * 3))
+    assert [job.index for phase in phases for job in phase] == list(range(2 * 3 * 3))
     every = sorted((job.prompt_index, job.mode) for phase in phases for job in phase)
     assert every == sorted((job.prompt_index, job.mode) for job in interleaved_jobs(prompts, [*modes, *peers]))
+    alone = server_phases(prompts, modes, [], 3, concurrent=True)  # no peer: tandem's modes apart too
+    assert [sorted({job.mode for job in phase}) for phase in alone][:2] == [["speculative"], ["autoregressive"]]
 
 
 def test_poisson_offsets_are_seeded_and_have_the_rate() -> None:

@@ -89,6 +89,8 @@ def test_outputs_that_differ_across_modes_are_flagged() -> None:
     run = synthetic_run()
     run[1].text = "different"
     assert build_report("http://x", "m", 10, run).outputs_identical is False
+    sampled = build_report("http://x", "m", 10, run, greedy=False)  # sampled texts may differ: not compared
+    assert sampled.outputs_identical is None and "outputs identical" not in format_report(sampled)
 
 
 def peer_results() -> list[RequestResult]:

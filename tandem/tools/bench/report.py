@@ -171,7 +171,7 @@ def build_report(
         speedup=over(SPECULATIVE, AUTOREGRESSIVE, overall),
         overall=overall,
         by_domain=by_domain,
-        outputs_identical=outputs_identical(measured, SPECULATIVE, AUTOREGRESSIVE),
+        outputs_identical=outputs_identical(measured, SPECULATIVE, AUTOREGRESSIVE) if greedy else None,
         speedup_by_domain=(
             {d: over(SPECULATIVE, AUTOREGRESSIVE, s) for d, s in tandem_by_domain.items()}
             if {SPECULATIVE, AUTOREGRESSIVE} <= set(modes) else {}

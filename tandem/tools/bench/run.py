@@ -91,21 +91,21 @@ def server_phases(prompts: Sequence[Prompt], modes: Sequence[str], peer_modes: S
     """The schedule as phases run one after another, each a list of jobs run under the load.
 
     One request at a time, every mode of a prompt, tandem's and each peer's, runs next to the
-    others (one phase). Where requests overlap, a peer is another server on what may be the same
-    machine, and two servers decoding at once would each measure the other's load: then tandem's
-    modes (which share one server, as its users do) and each peer run in phases of their own, in an
-    order that turns by one for each pass over the prompt set (``repeats``), so none always goes
-    first."""
-    if not concurrent or not peer_modes:
+    others (one phase). Where requests overlap, each mode runs in a phase of its own: a mode's figure
+    is then what a server carrying only that mode's traffic gives. Sharing the load would measure
+    the mix instead (on one server, speculative sessions' rows slow the autoregressive sessions
+    beside them in every shared pass; two servers on one machine each take the other's cores).
+    The order turns by one for each pass over the prompt set (``repeats``), so none always goes
+    first (the first phase after a start also warms the server)."""
+    if not concurrent:
         return [interleaved_jobs(prompts, [*modes, *peer_modes])]
-    groups = [list(modes), *([mode] for mode in peer_modes)]
+    groups = [[mode] for mode in [*modes, *peer_modes]]
     per_pass = len(prompts) // repeats if repeats > 0 and len(prompts) % repeats == 0 else len(prompts)
     phases = []
     for start in range(0, len(prompts), per_pass):
         turn = start // per_pass
         for group in groups[turn % len(groups):] + groups[: turn % len(groups)]:
-            if group:
-                phases.append(interleaved_jobs(prompts[start : start + per_pass], group, first_index=start))
+            phases.append(interleaved_jobs(prompts[start : start + per_pass], group, first_index=start))
     positions = itertools.count()  # a job's index is its place in the whole schedule
     return [[dataclasses.replace(job, index=next(positions)) for job in phase] for phase in phases]
 

@@ -93,7 +93,8 @@ def format_report(report: Report) -> str:
         )
         lines.append(f"speedup vs peer (speculative / peer tokens/s): {_x(report.speedup_vs_peer)}")
         lines.append(f"peer outputs identical to autoregressive: {peer.outputs_identical_to_autoregressive}")
-    lines.append(f"greedy outputs identical across modes: {report.outputs_identical}")
+    if report.outputs_identical is not None:
+        lines.append(f"greedy outputs identical across modes: {report.outputs_identical}")
     failed = {mode: s.failed for mode, s in report.overall.items() if s.failed}
     if failed:
         per_mode = ", ".join(f"{mode} {n}" for mode, n in failed.items())
