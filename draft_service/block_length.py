@@ -17,13 +17,24 @@ number of committed tokens per second of the round peaks:
   the drafter's measured rates where it ships them (an eagle head's ``acceptance.json``) instead
   of a coin flip per draft, which cut lookup's long copies short while it learned. The proposer names the
   sources (``Proposal.sources``); a proposal without them is sent whole.
-- ``cost(n)``: the median seconds of the target's pass over a block of n - 1 drafts (the
-  ``verify_seconds`` its verdicts report; where a target reports none, the whole round from sending
-  to verdict), over the last rounds that sent such a block (``RoundCosts``); sizes never seen are
-  interpolated from the sizes next to them, and without any the proposal is sent whole.
+- ``cost(n)``: the median seconds of the target's pass over n rows (the ``verify_seconds`` its
+  verdicts report; where a target reports none, the whole round from sending to verdict), over the
+  last rounds whose pass had n rows (``RoundCosts``); sizes never seen are interpolated from the
+  sizes next to them (extrapolated past the largest), and without any the proposal is sent whole.
   ``overhead``: what a round costs whatever the length: the median time the proposer took, and the
   round trip to the session's target beyond its pass (measured per target, ``draft_service.hop``),
   so blocks grow with the distance to the target where acceptance allows.
+
+Under load a block shares its pass with other sessions' rows (other blocks, decode steps, prompt
+chunks; the verdict names the pass's rows and the tokens it committed). Its drafts then cost what
+they add to a pass that everyone in it waits for, so the rate that is maximised is the pass's:
+
+    L* = argmax over L of  (T_o + 1 + sum_{i<=L} prod_{j<=i} p_j) / (cost(R_o + L + 1) + overhead)
+
+with ``R_o`` and ``T_o`` the rows and tokens of the others in recent passes (medians). Alone,
+``R_o = T_o = 0`` and this is the rule above; beside many sessions a draft must add at least the
+pass's own tokens per second of pass to be sent, so blocks shorten where the pass is bound by
+arithmetic rather than by reading the weights (many rows on a CPU).
 
 A token tree is cut the same way to its first L nodes (grown best first, they are its L most
 probable paths): there the product runs over a node's path from the root, not over every draft
@@ -194,9 +205,10 @@ class RoundCosts:
             if len(samples) >= MIN_COST_SAMPLES
         }
 
-    def estimate(self, rows: int, medians: dict[int, float] | None = None) -> float | None:
-        """The median for ``rows``, else interpolated between the nearest known sizes (the nearest
-        one where only one side is known); None before any size is known."""
+    def estimate(self, rows: float, medians: dict[int, float] | None = None) -> float | None:
+        """The median for ``rows``, else interpolated between the nearest known sizes; below the
+        smallest, the smallest's; past the largest, on along the slope of the two largest (never
+        down: a pass does not get cheaper with rows); None before any size is known."""
         known = self.medians() if medians is None else medians
         if not known:
             return None
@@ -204,8 +216,14 @@ class RoundCosts:
             return known[rows]
         below = max((r for r in known if r < rows), default=None)
         above = min((r for r in known if r > rows), default=None)
-        if below is None or above is None:
-            return known[below if above is None else above]
+        if below is None:
+            return known[above]
+        if above is None:
+            sizes = sorted(known)
+            if len(sizes) < 2:
+                return known[below]
+            a, b = sizes[-2], sizes[-1]
+            return known[b] + max(0.0, (known[b] - known[a]) / (b - a)) * (rows - b)
         weight = (rows - below) / (above - below)
         return known[below] + weight * (known[above] - known[below])
 
@@ -223,6 +241,8 @@ class BlockLengthPolicy:
         self.costs = RoundCosts()
         self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
         self._transport_seconds: deque[float] = deque(maxlen=COST_WINDOW)  # round trips beyond the pass
+        # (rows, tokens) of the other sessions in the passes of the last verdicts
+        self._others: deque[tuple[int, int]] = deque(maxlen=COST_WINDOW)
         self._explore_every = explore_every
         self._decisions = 0
         self._rounds = 0
@@ -251,8 +271,9 @@ class BlockLengthPolicy:
         if transport_s is None:
             transport_s = statistics.median(self._transport_seconds) if self._transport_seconds else 0.0
         overhead += transport_s
+        others_rows, others_tokens = self.others()
         best_length, best_rate = n, -1.0
-        expected = 1.0  # tokens committed in expectation
+        expected = 1.0 + others_tokens  # tokens the pass commits in expectation
         reach: list[float] = []  # the chance the target takes each draft's path
         levels = depths(parents)
         for length in range(n + 1):
@@ -264,24 +285,42 @@ class BlockLengthPolicy:
                     p = session.blended(source, depth, p, SESSION_PRIOR_WEIGHT)
                 reach.append(p * (reach[parent] if parent != ROOT else 1.0))
                 expected += reach[-1]
-            seconds = self.costs.estimate(length + 1, medians) + overhead
+            seconds = self.costs.estimate(others_rows + length + 1, medians) + overhead
             rate = expected / seconds if seconds > 0 else float("inf")
             if rate > best_rate:
                 best_length, best_rate = length, rate
         return best_length
 
+    def others(self) -> tuple[float, float]:
+        """The rows and tokens other sessions put in a pass beside a block of this service lately
+        (medians; (0, 0) before any verdict or where the target names no pass)."""
+        if not self._others:
+            return 0.0, 0.0
+        return (statistics.median(rows for rows, _ in self._others),
+                statistics.median(tokens for _, tokens in self._others))
+
     def observe(
         self, sources: Sequence[str], num_accepted: int, rows: int, seconds: float | None, propose_seconds: float,
         verify_seconds: float = 0.0, parents: Sequence[int] = (), path: Sequence[int] = (),
+        pass_rows: int = 0, pass_tokens: int = 0, committed: int | None = None,
     ) -> None:
         """A verdict of a block of ``rows - 1`` drafts (named by ``sources``, when the proposer
         names them) that took ``seconds`` from sending to verdict, of which the target's pass took
         ``verify_seconds`` (0: not reported, the whole round counts as the pass), and
         ``propose_seconds`` to draft. ``seconds`` None: the block went out while another was in
         flight (``draft_service.pipeline``), so its wait says nothing about the hop; only its pass
-        is learned. A tree's verdict names its ``parents`` and accepted ``path`` (node indices)."""
+        is learned. A tree's verdict names its ``parents`` and accepted ``path`` (node indices).
+        ``pass_rows`` and ``pass_tokens``: the whole pass's rows and committed tokens where the
+        target names them (0: it does not), of which this block's ``rows`` and ``committed``
+        tokens (default ``num_accepted + 1``); the pass's cost is learned by its rows."""
         if sources:
             self.acceptance.observe(sources, num_accepted, parents, path)
+        if pass_rows >= rows:
+            own_tokens = num_accepted + 1 if committed is None else committed
+            self._others.append((pass_rows - rows, max(0, pass_tokens - own_tokens)))
+            rows = pass_rows
+        else:
+            self._others.append((0, 0))
         if seconds is None:
             if verify_seconds > 0.0:
                 self.costs.observe(rows, verify_seconds)

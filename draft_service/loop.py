@@ -151,9 +151,7 @@ class SpeculationLoop:
             if self._hop is not None:
                 self._hop.observe_exchange(answered - asked, verdict.verify_seconds)
             if verdict.status is VerdictStatus.OK:
-                self._learn(proposal, sources, verdict.num_accepted, verdict.committed_token_ids,
-                            seconds=answered - asked, propose_seconds=proposed - started,
-                            verify_seconds=verdict.verify_seconds)
+                self._learn(proposal, sources, verdict, seconds=answered - asked, propose_seconds=proposed - started)
             if verdict.status is VerdictStatus.FINISHED:
                 yield RoundResult(
                     token_ids=(),
@@ -197,18 +195,19 @@ class SpeculationLoop:
         cut = proposal.cut(self._lengths.length(sources, self.acceptance, self._transport_s(), parents=proposal.parents))
         return cut, sources[: len(cut.token_ids)]
 
-    def _learn(self, proposal: Proposal, sources: Sequence[str], num_accepted: int, committed: Sequence[int],
-               seconds: float | None, propose_seconds: float, verify_seconds: float) -> None:
-        """Teaches the session's tally and the policy a verdict that accepted ``num_accepted`` of
-        ``proposal``'s drafts (``committed``: the tokens it committed; ``seconds``: the round trip,
-        None where another block's pass was in it). Nothing without sources (``_cut``)."""
+    def _learn(self, proposal: Proposal, sources: Sequence[str], verdict: Verdict, seconds: float | None,
+               propose_seconds: float) -> None:
+        """Teaches the session's tally and the policy an OK ``verdict`` on ``proposal`` (``seconds``:
+        the round trip, None where another block's pass was in it). Nothing without sources (``_cut``)."""
         if not sources or self._lengths is None:
             return
+        num_accepted, committed = verdict.num_accepted, verdict.committed_token_ids
         path = root_path(proposal, committed[:num_accepted])
         self.acceptance.observe(sources, num_accepted, proposal.parents, path)
         self._lengths.observe(sources, num_accepted, rows=len(proposal.token_ids) + 1, seconds=seconds,
-                              propose_seconds=propose_seconds, verify_seconds=verify_seconds,
-                              parents=proposal.parents, path=path)
+                              propose_seconds=propose_seconds, verify_seconds=verdict.verify_seconds,
+                              parents=proposal.parents, path=path, pass_rows=verdict.pass_rows,
+                              pass_tokens=verdict.pass_tokens, committed=len(committed))
 
     def _transport_s(self) -> float | None:
         """The measured round trip to the target beyond its pass (None before any)."""

@@ -135,9 +135,8 @@ class PipelinedLoop(SpeculationLoop):
             self._sequence.extend(committed)
             self._committed_len += len(committed)
             self._streamed += len(committed)
-            self._learn(flight.proposal, flight.sources, verdict.num_accepted, committed,
-                        seconds=answered - flight.sent if flight.alone else None,
-                        propose_seconds=flight.proposed - flight.started, verify_seconds=verdict.verify_seconds)
+            self._learn(flight.proposal, flight.sources, verdict, seconds=answered - flight.sent if flight.alone else None,
+                        propose_seconds=flight.proposed - flight.started)
             yield RoundResult(
                 token_ids=committed, committed_len=verdict.committed_len, finish_reason=verdict.finish_reason,
                 num_draft_tokens=len(flight.proposal.token_ids), num_accepted=verdict.num_accepted,

@@ -27,6 +27,7 @@ This module is the API and the loop of one pass; the work is split by idea:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,15 @@ from target_service.errors import InvalidArgument
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.runner import ModelRunner
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, kv_tokens, make_generator
-from target_service.types import DraftBlock, FinishReason, GenerateResult, PrefillResult, TargetLoad, Verdict
+from target_service.types import (
+    DraftBlock,
+    FinishReason,
+    GenerateResult,
+    PrefillResult,
+    TargetLoad,
+    Verdict,
+    VerdictStatus,
+)
 from target_service.validation import check_prefill
 
 __all__ = ["Answer", "DecodeStep", "PrefillJob", "TargetEngine"]
@@ -223,6 +232,7 @@ class TargetEngine:
                         answers[i] = self.planner.finish(plan, scores, hidden, started)
                     except Exception as error:  # noqa: BLE001
                         answers[i] = error
+                _name_the_pass(answers, sum(len(plan.step.token_ids) for _, plan in planned))
         return answers
 
     def release(self, session_id: str) -> bool:
@@ -264,6 +274,23 @@ class TargetEngine:
     def _report_live(self, live: int) -> None:
         if self.metrics is not None:
             self.metrics.sessions_active.labels(mode="target").set(live)
+
+
+def _name_the_pass(answers: list[Answer | Exception], rows: int) -> None:
+    """Tells each verdict of a pass its ``rows`` and the tokens it committed, every session's
+    share included: a draft prices its own rows against the others' in a shared pass."""
+    tokens = sum(_committed(answer) for answer in answers)
+    for i, answer in enumerate(answers):
+        if isinstance(answer, Verdict) and answer.status is VerdictStatus.OK:
+            answers[i] = dataclasses.replace(answer, pass_rows=rows, pass_tokens=tokens)
+
+
+def _committed(answer: Answer | Exception) -> int:
+    if isinstance(answer, Verdict):
+        return len(answer.committed_token_ids)
+    if isinstance(answer, GenerateResult):
+        return len(answer.token_ids)
+    return int(isinstance(answer, PrefillResult))  # a prompt's last chunk commits its first token
 
 
 def _unwrap(answer: Answer | Exception) -> Answer:

@@ -8,6 +8,7 @@ import pytest
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, load_tiny
 
 from draft_service.block_length import (
+    COST_WINDOW,
     MIN_COST_SAMPLES,
     PRIOR_WEIGHT,
     AcceptanceTally,
@@ -117,7 +118,10 @@ def test_round_costs_are_medians_interpolated_between_known_sizes():
     assert costs.estimate(2) == pytest.approx(0.012)
     assert costs.estimate(4) == pytest.approx(0.012 + 0.5 * (0.030 - 0.012))
     assert costs.estimate(1) == pytest.approx(0.012)  # below every known size: the nearest
-    assert costs.estimate(8) == pytest.approx(0.030)
+    assert costs.estimate(8) == pytest.approx(0.030 + 2 * (0.030 - 0.012) / 4)  # past the largest: its slope
+    for _ in range(MIN_COST_SAMPLES):
+        costs.observe(9, 0.020)  # a wider pass measured cheaper (noise): never extrapolated downwards
+    assert costs.estimate(12) == pytest.approx(0.020)
 
 
 def test_without_costs_or_sources_a_proposal_goes_whole():
@@ -194,6 +198,36 @@ def test_a_round_is_priced_as_the_targets_pass_plus_the_hop_to_it():
     assert policy.length(["x"], transport_s=0.030) == 1
     # Without a target's own figure, the service's median round trip (30 ms here) prices it.
     assert policy.length(["x"]) == 1
+
+
+def test_beside_other_sessions_a_draft_must_pay_for_the_pass_everyone_waits_for():
+    """A block in a shared pass is priced at what its rows add to the whole pass: beside sessions
+    that commit a token a row it must bring as much per second of pass, beside a prompt chunk
+    (rows that commit nothing) its rows are nearly free. The verdicts name the pass."""
+    costs = {rows: 10.0 + rows for rows in range(1, 41)}  # ms: a pass bound by arithmetic, 1 ms a row
+    policy = BlockLengthPolicy(explore_every=0, prior={("x", depth): 0.5 for depth in range(5)})
+    for rows, ms in costs.items():
+        for _ in range(MIN_COST_SAMPLES):
+            policy.costs.observe(rows, ms / 1000)
+    assert policy.others() == (0.0, 0.0)
+    assert policy.length(["x"] * 4) == 2  # alone: 1.75 tokens / 13 ms beats 1 / 11 and 1.94 / 15
+
+    for _ in range(5):  # its blocks shared their passes with 24 one-token decode steps
+        policy.observe([], 0, rows=1, seconds=None, propose_seconds=0.0, verify_seconds=0.035, pass_rows=25,
+                       pass_tokens=25, committed=1)
+    assert policy.others() == (24.0, 24.0)
+    assert policy.costs.medians()[25] == pytest.approx(0.035)  # the pass is learned by its rows
+    assert policy.length(["x"] * 4) == 0  # 25 tokens / 35 ms: no draft at 0.5 adds 0.71 a ms
+
+    for _ in range(COST_WINDOW):  # then beside a prompt's chunk of 24 rows that commits nothing
+        policy.observe([], 0, rows=1, seconds=None, propose_seconds=0.0, verify_seconds=0.035, pass_rows=25,
+                       pass_tokens=1, committed=1)
+    assert policy.others() == (24.0, 0.0)
+    assert policy.length(["x"] * 4) == 4  # 1.94 tokens / 39 ms beats 1 / 35
+
+    for _ in range(COST_WINDOW):  # a target that names no pass: alone, as before
+        policy.observe([], 0, rows=1, seconds=None, propose_seconds=0.0, verify_seconds=0.011)
+    assert policy.others() == (0.0, 0.0) and policy.length(["x"] * 4) == 2
 
 
 def test_a_cut_proposal_keeps_its_q_and_sources_aligned():

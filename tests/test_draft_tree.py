@@ -292,7 +292,7 @@ class CutTo:
         return self.nodes
 
     def observe(self, sources, num_accepted, rows, seconds, propose_seconds, verify_seconds=0.0, parents=(),
-                path=()) -> None:
+                path=(), pass_rows=0, pass_tokens=0, committed=None) -> None:
         self.observed.append((tuple(sources), num_accepted, rows, tuple(parents), tuple(path)))
 
 

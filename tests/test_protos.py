@@ -31,3 +31,16 @@ def test_buf_style_names() -> None:
                 assert method.output_type.name in (f"{method.name}Response", f"{service.name}{method.name}Response")
         for enum in descriptor.enum_types_by_name.values():
             assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED")
+
+
+def test_a_verdict_crosses_the_wire_with_its_pass() -> None:
+    """A verdict's fields, the pass it was verified in included, survive the target's codec both ways."""
+    from tandem.rpc import codecs
+    from tandem.rpc.types import FinishReason, Verdict, VerdictStatus
+
+    verdict = Verdict(block_id=7, status=VerdictStatus.OK, committed_len=12, num_accepted=2,
+                      committed_token_ids=(4, 5, 6), finish_reason=FinishReason.NONE, verify_seconds=0.5,
+                      pass_rows=25, pass_tokens=11)
+    assert codecs.verdict(codecs.verdict_to_wire(verdict)) == verdict
+    old = codecs.verdict(codecs.verdict_to_wire(Verdict(block_id=1, status=VerdictStatus.STALE)))
+    assert (old.pass_rows, old.pass_tokens) == (0, 0)  # not reported: the draft prices its block alone

@@ -235,20 +235,31 @@ def _check_run_batch_matches_alone(target, screened: bool = False) -> None:
     _start(batched, sessions)
     _start(alone, sessions)
     prefills = metrics.registry.get_sample_value("tandem_target_pass_sessions_count")  # a pass each
-    rounds = 0
+    rounds = whole = 0
     while any(not batched.store.get(s).finished for s in sessions):
         rounds += 1
         calls = _calls(batched, rounds, sessions)
         assert calls == _calls(alone, rounds, sessions)
         answers = batched.run_batch(calls)
-        for call, answer in zip(calls, answers):
-            assert _same(answer, alone.run_batch([call])[0]), (rounds, call)
+        owns = [alone.run_batch([call])[0] for call in calls]
+        for call, answer, own in zip(calls, answers, owns):
+            assert _same(answer, own), (rounds, call)
             assert not isinstance(answer, Verdict) or answer.status == VerdictStatus.OK
+        # Each verdict names its pass: every session's rows, and the tokens the pass committed (a
+        # block alone: its own rows, drafts past the session's budget left out, and tokens).
+        for call, own in zip(calls, owns):
+            if isinstance(own, Verdict):
+                assert own.pass_tokens == len(own.committed_token_ids)
+                assert 1 <= own.pass_rows <= 1 + len(call.draft_token_ids)
+                whole += own.pass_rows == 1 + len(call.draft_token_ids)
+        rows = sum(own.pass_rows if isinstance(own, Verdict) else 1 for own in owns)
+        tokens = sum(len(a.committed_token_ids if isinstance(a, Verdict) else a.token_ids) for a in answers)
+        assert all((a.pass_rows, a.pass_tokens) == (rows, tokens) for a in answers if isinstance(a, Verdict))
         for s in sessions:
             assert batched.store.get(s).tokens == alone.store.get(s).tokens
             if not batched.store.get(s).finished:  # the engine's invariant, for every session of the batch
                 assert kv_cache.cache_length(batched.store.get(s).cache) == batched.store.get(s).committed_len - 1
-    assert rounds >= 8
+    assert rounds >= 8 and whole > rounds
     assert (sum(screened_rows) > 3 * rounds) == screened  # greedy verify blocks and steps went through the screen
     passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_count") - prefills
     sessions_in_passes = metrics.registry.get_sample_value("tandem_target_pass_sessions_sum") - prefills

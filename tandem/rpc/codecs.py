@@ -170,6 +170,8 @@ def verdict(response: target_pb2.VerifyResponse) -> Verdict:
         finish_reason=finish_reason(response.finish_reason),
         hidden_states=hidden_states(response.hidden_states) if response.HasField("hidden_states") else None,
         verify_seconds=response.verify_seconds,
+        pass_rows=response.pass_rows,
+        pass_tokens=response.pass_tokens,
     )
 
 
@@ -183,4 +185,6 @@ def verdict_to_wire(verdict: Verdict) -> target_pb2.VerifyResponse:
         finish_reason=finish_reason_to_wire(verdict.finish_reason),
         hidden_states=hidden_states_to_wire(verdict.hidden_states),
         verify_seconds=verdict.verify_seconds,
+        pass_rows=verdict.pass_rows,
+        pass_tokens=verdict.pass_tokens,
     )

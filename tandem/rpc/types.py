@@ -110,3 +110,7 @@ class Verdict:
     # block gives one row.
     hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
     verify_seconds: float = 0.0
+    # The pass the block was verified in, every session's share included (0: not reported): its
+    # rows and the tokens it committed; equal to this block's own when it had the pass alone.
+    pass_rows: int = 0
+    pass_tokens: int = 0
