@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from functools import partial
 from typing import Any
 
 from gateway.adaptive import SessionController
@@ -95,13 +95,25 @@ class Generation:
         """The current target session (a resync moves the request to a fresh one)."""
         return self._session.session_id
 
+    def _load(self, sessions: int) -> int:
+        """``sessions`` in progress at the gateway as sessions per target (of the pool's members)."""
+        return math.ceil(sessions / max(1, len(self._deps.targets.members)))
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Chooses the mode and prefills the target session (the first token)."""
         deps = self._deps
         counters = deps.counters
-        decision = deps.policy.initial(self.request, deps.can_speculate(), counters.active_sessions)
+        prior, temperature = deps.policy.prior, self.request.sampling.temperature
+        started_load = self._load(counters.active_sessions + 1)
+
+        def report(seconds_per_token: float, step_seconds: float, tokens: int) -> None:
+            # The load the session saw: at its start or at its end, whichever was higher.
+            load = max(started_load, self._load(counters.active_sessions))
+            prior.observe(temperature, seconds_per_token, step_seconds, tokens, sessions=load)
+
+        decision = deps.policy.initial(self.request, deps.can_speculate(), counters.active_sessions, started_load)
         self._controller = SessionController(
             deps.tuning.adaptive,
             deps.step_timer,
@@ -109,8 +121,8 @@ class Generation:
             policy=deps.policy,
             can_speculate=lambda: deps.can_speculate() and not deps.policy.saturated(counters.active_sessions - 1),
             adaptive=self.request.speculation is Speculation.AUTO,
-            report=partial(deps.policy.prior.observe, self.request.sampling.temperature),
-            prior_ratio=partial(deps.policy.prior.ratio, self.request.sampling.temperature),
+            report=report,
+            prior_ratio=lambda: prior.ratio(temperature, self._load(counters.active_sessions)),
         )
         self._enter(decision)
         try:

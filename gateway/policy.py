@@ -73,9 +73,11 @@ class SpeculationPolicy:
         self.config = config
         self.prior = prior if prior is not None else TemperaturePrior()
 
-    def initial(self, request: GenerationRequest, draft_ready: bool, active_sessions: int = 0) -> Decision:
+    def initial(self, request: GenerationRequest, draft_ready: bool, active_sessions: int = 0,
+                load: int = 1) -> Decision:
         """The mode a session starts in. ``draft_ready``: the draft's breaker lets sessions
-        speculate; ``active_sessions``: sessions in progress, this one not included."""
+        speculate; ``active_sessions``: sessions in progress, this one not included; ``load``:
+        sessions in progress per target, this one included (the prior's load band)."""
         if request.speculation is Speculation.OFF:
             return Decision(Mode.AUTOREGRESSIVE, SPECULATION_OFF)
         if request.speculation is Speculation.ON:
@@ -89,7 +91,7 @@ class SpeculationPolicy:
             return Decision(Mode.AUTOREGRESSIVE, SATURATED)
         if not draft_ready:
             return Decision(Mode.AUTOREGRESSIVE, DRAFT_UNAVAILABLE)
-        if self.prior.holds_back(request.sampling.temperature):
+        if self.prior.holds_back(request.sampling.temperature, load):
             return Decision(Mode.AUTOREGRESSIVE, PRIOR_SLOWER)
         return Decision(Mode.SPECULATIVE)
 

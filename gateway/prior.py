@@ -17,6 +17,11 @@ session at a band whose average says speculation is slower (above ``1 + margin``
 ``min_sessions`` reports) starts autoregressively, reason ``prior_slower``; one session in
 ``explore_every`` of those speculates anyway (and held-back sessions still probe later), so the
 prior follows the host and the traffic instead of freezing on its first verdict.
+
+Each band is kept apart by load too: the sessions in progress per target when the session
+reported (``load_band``: 1, 2-3, 4-7, 8+). Speculation that pays for one stream can cost a
+target carrying eight (their blocks' rows share every pass, and on a CPU many rows make a pass
+bound by arithmetic), and a verdict learned in a burst must not hold back the lone sessions after it.
 """
 
 from __future__ import annotations
@@ -30,9 +35,19 @@ BAND_EDGES = (0.0, 0.35, 0.75, 1.05, 1.5)
 BAND_NAMES = ("0", "0-0.35", "0.35-0.75", "0.75-1.05", "1.05-1.5", "1.5+")
 
 
+# Upper edges of the load bands: sessions in progress per target, the reporting one included.
+LOAD_EDGES = (1, 3, 7)
+LOAD_NAMES = ("1", "2-3", "4-7", "8+")
+
+
 def band(temperature: float) -> str:
     """The name of the band ``temperature`` falls in (the label of the prior's metric)."""
     return BAND_NAMES[bisect.bisect_left(BAND_EDGES, temperature)]
+
+
+def load_band(sessions: int) -> str:
+    """The name of the load band of ``sessions`` in progress per target (the metric's ``load`` label)."""
+    return LOAD_NAMES[bisect.bisect_left(LOAD_EDGES, max(1, sessions))]
 
 
 @dataclass
@@ -61,24 +76,25 @@ class PriorConfig:
 
 
 class TemperaturePrior:
-    """Per temperature band, how speculation measured against autoregressive decoding (see module doc)."""
+    """Per temperature band and load, how speculation measured against autoregressive decoding (see module doc)."""
 
     def __init__(self, config: PriorConfig = PriorConfig(), on_update=None) -> None:
-        """``on_update(band, ratio)``: called after each report (the gateway sets its gauge)."""
+        """``on_update(band, load, ratio)``: called after each report (the gateway sets its gauge)."""
         self.config = config
-        self._bands: dict[str, _Band] = {}
+        self._bands: dict[tuple[str, str], _Band] = {}
         self._lock = threading.Lock()
         self._on_update = on_update
 
-    def observe(self, temperature: float, seconds_per_token: float, step_seconds: float, tokens: int = 1) -> None:
+    def observe(self, temperature: float, seconds_per_token: float, step_seconds: float, tokens: int = 1,
+                sessions: int = 1) -> None:
         """A session's measured speculative time per committed token against the target's step time,
-        over ``tokens`` committed while speculating."""
+        over ``tokens`` committed while speculating, with ``sessions`` in progress per target."""
         if seconds_per_token <= 0 or step_seconds <= 0 or tokens <= 0:
             return
-        name = band(temperature)
+        name, load = band(temperature), load_band(sessions)
         keep = 1 - self.config.alpha
         with self._lock:
-            entry = self._bands.setdefault(name, _Band())
+            entry = self._bands.setdefault((name, load), _Band())
             if entry.reports == 0:
                 keep = 0.0
             entry.speculative = keep * entry.speculative + (1 - keep) * seconds_per_token * tokens
@@ -86,21 +102,22 @@ class TemperaturePrior:
             entry.reports += 1
             averaged = entry.ratio
         if self._on_update is not None:
-            self._on_update(name, averaged)
+            self._on_update(name, load, averaged)
 
-    def ratio(self, temperature: float) -> float | None:
-        """The band's averaged ratio, or None before ``min_sessions`` reports."""
+    def ratio(self, temperature: float, sessions: int = 1) -> float | None:
+        """The band's averaged ratio at that load, or None before ``min_sessions`` reports."""
         with self._lock:
-            entry = self._bands.get(band(temperature))
+            entry = self._bands.get((band(temperature), load_band(sessions)))
             return entry.ratio if entry and entry.reports >= self.config.min_sessions else None
 
-    def holds_back(self, temperature: float) -> bool:
-        """Whether a new session at ``temperature`` should start autoregressively (and count it)."""
-        ratio = self.ratio(temperature)
+    def holds_back(self, temperature: float, sessions: int = 1) -> bool:
+        """Whether a new session at ``temperature``, with ``sessions`` in progress per target (itself
+        included), should start autoregressively (and count it)."""
+        ratio = self.ratio(temperature, sessions)
         if ratio is None or ratio <= 1 + self.config.margin:
             return False
         with self._lock:
-            entry = self._bands[band(temperature)]
+            entry = self._bands[(band(temperature), load_band(sessions))]
             entry.held_back += 1
             if entry.held_back >= self.config.explore_every:
                 entry.held_back = 0

@@ -86,7 +86,7 @@ def test_dashboard_uses_only_exported_metrics_and_labels() -> None:
     design = {f.name for f in make_metrics("any").registry.collect()}
     assert design - families == {"tandem_spec_decode_acceptance_rate"}
     labels = {label for e in exprs for group in re.findall(r"by \(([^)]*)\)", e) for label in group.split(",")}
-    allowed = {"le", "position", "reason", "mode", "status", "temperature", "phase", "role", "address", "outcome"}
+    allowed = {"le", "position", "reason", "mode", "status", "temperature", "load", "phase", "role", "address", "outcome"}
     assert {label.strip() for label in labels} <= allowed
     services = set(re.findall(r'service="([a-z]+)"', " ".join(exprs)))
     assert services <= {"gateway", "draft", "target"}

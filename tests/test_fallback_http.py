@@ -76,8 +76,8 @@ async def test_a_finished_session_reports_to_the_temperature_prior(tokenizer, ti
     """What speculation gave a session reaches gateway.prior, whose average the gateway exports."""
     async with fake_stack(tokenizer, str(tiny_dir), token_delay=0.002) as stack:
         await completion(stack, {"temperature": 0, "max_tokens": 20, "speculation": "off"})  # times a step
-        assert stack.metric("tandem_speculation_prior_ratio", temperature="0") == 0  # plain decoding reports nothing
+        assert stack.metric("tandem_speculation_prior_ratio", temperature="0", load="1") == 0  # plain decoding reports nothing
         answer = await completion(stack, {"temperature": 0, "max_tokens": 60})
         assert answer["usage"]["speculative_decoding"]["rounds"] >= 4
         await stack.wait_until_idle()
-        assert stack.metric("tandem_speculation_prior_ratio", temperature="0") > 0
+        assert stack.metric("tandem_speculation_prior_ratio", temperature="0", load="1") > 0

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.adaptive import AdaptiveConfig, Round, SessionController, StepTimer
 from gateway.policy import PRIOR_SLOWER, Decision, Mode, PolicyConfig, SpeculationPolicy
-from gateway.prior import PriorConfig, TemperaturePrior, band
+from gateway.prior import PriorConfig, TemperaturePrior, band, load_band
 from gateway.request import GenerationRequest, SamplingParams, Speculation
 
 SPEC, AR = Mode.SPECULATIVE, Mode.AUTOREGRESSIVE
@@ -44,13 +44,34 @@ def test_speculation_that_pays_is_never_held_back() -> None:
 def test_held_back_bands_still_explore_and_follow_new_measurements() -> None:
     updates = []
     prior = TemperaturePrior(PriorConfig(min_sessions=1, alpha=0.5, explore_every=4),
-                             on_update=lambda name, ratio: updates.append((name, ratio)))
+                             on_update=lambda name, load, ratio: updates.append((name, load, ratio)))
     prior.observe(1.0, 0.04, 0.02)
     assert [prior.holds_back(1.0) for _ in range(8)] == [True, True, True, False] * 2
     for _ in range(4):  # the explorers (and probes) measure that it pays now
         prior.observe(1.0, 0.01, 0.02)
     assert not prior.holds_back(1.0)
-    assert updates[0] == ("0.75-1.05", 2.0) and updates[-1][1] < 1.0
+    assert updates[0] == ("0.75-1.05", "1", 2.0) and updates[-1][2] < 1.0
+
+
+@pytest.mark.parametrize(("sessions", "name"), [(0, "1"), (1, "1"), (2, "2-3"), (3, "2-3"), (4, "4-7"), (7, "4-7"),
+                                                (8, "8+"), (100, "8+")])
+def test_load_bands(sessions: int, name: str) -> None:
+    assert load_band(sessions) == name
+
+
+def test_what_speculation_measured_under_load_holds_back_only_sessions_under_that_load() -> None:
+    """Eight sessions a target measured speculation slower (their rows share every pass); a lone
+    session after the burst still speculates, and the policy asks the prior at the session's load."""
+    prior = TemperaturePrior(PriorConfig(min_sessions=1, explore_every=100))
+    for _ in range(8):
+        prior.observe(0.0, 0.04, 0.02, tokens=64, sessions=8)
+    assert prior.ratio(0.0, sessions=8) == pytest.approx(2.0) and prior.holds_back(0.0, sessions=12)
+    assert prior.ratio(0.0, sessions=1) is None and not prior.holds_back(0.0, sessions=1)
+    prior.observe(0.0, 0.01, 0.02, tokens=64, sessions=1)
+    assert prior.ratio(0.0) == pytest.approx(0.5)
+    policy = SpeculationPolicy(PolicyConfig(), prior)
+    assert policy.initial(request(0.0), True, active_sessions=7, load=8) == Decision(AR, PRIOR_SLOWER)
+    assert policy.initial(request(0.0), True, active_sessions=0, load=1) == Decision(SPEC)
 
 
 def test_a_report_weighs_as_many_tokens_as_its_session_speculated() -> None:

@@ -54,9 +54,9 @@ class Metrics:
         for phase, seconds in (("propose", propose), ("verify", verify), ("transport", transport), ("other", other)):
             self.round_phase.labels(phase=phase).observe(max(0.0, seconds))
 
-    def record_prior(self, band: str, ratio: float) -> None:
-        """The temperature prior's average for ``band`` (gateway.prior calls this after each report)."""
-        self.speculation_prior.labels(temperature=band).set(ratio)
+    def record_prior(self, band: str, load: str, ratio: float) -> None:
+        """The temperature prior's average for ``band`` at ``load`` (gateway.prior calls this after each report)."""
+        self.speculation_prior.labels(temperature=band, load=load).set(ratio)
 
 
 # Set by ``tandem serve``'s supervisor on a child it restarted: how many times it did.
@@ -132,8 +132,9 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
         speculation_prior=Gauge(
             "tandem_speculation_prior_ratio",
             "Speculative seconds per token over autoregressive ones, as measured at each temperature band "
-            "(above 1: new sessions there decode autoregressively, gateway.prior)",
-            ["temperature"],
+            "and load (sessions in progress per target; above 1: new sessions there decode autoregressively, "
+            "gateway.prior)",
+            ["temperature", "load"],
             registry=reg,
         ),
         requests=Counter("tandem_requests", "Requests finished, by status", ["status"], registry=reg),
