@@ -31,7 +31,8 @@ they add to a pass that everyone in it waits for, so the rate that is maximised 
 
     L* = argmax over L of  (T_o + 1 + sum_{i<=L} prod_{j<=i} p_j) / (cost(R_o + L + 1) + overhead)
 
-with ``R_o`` and ``T_o`` the rows and tokens of the others in recent passes (medians). Alone,
+with ``R_o`` and ``T_o`` the rows and tokens of the others in recent passes (medians over the
+service's last verdicts, whichever target gave them, as the pass costs are). Alone,
 ``R_o = T_o = 0`` and this is the rule above; beside many sessions a draft must add at least the
 pass's own tokens per second of pass to be sent, so blocks shorten where the pass is bound by
 arithmetic rather than by reading the weights (many rows on a CPU).

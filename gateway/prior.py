@@ -18,8 +18,8 @@ session at a band whose average says speculation is slower (above ``1 + margin``
 ``explore_every`` of those speculates anyway (and held-back sessions still probe later), so the
 prior follows the host and the traffic instead of freezing on its first verdict.
 
-Each band is kept apart by load too: the sessions in progress per target when the session
-reported (``load_band``: 1, 2-3, 4-7, 8+). Speculation that pays for one stream can cost a
+Each band is kept apart by load too: the sessions in progress per target, the higher of the
+count at the session's start and at its report (``load_band``: 1, 2-3, 4-7, 8+). Speculation that pays for one stream can cost a
 target carrying eight (their blocks' rows share every pass, and on a CPU many rows make a pass
 bound by arithmetic), and a verdict learned in a burst must not hold back the lone sessions after it.
 """
