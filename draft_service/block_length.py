@@ -19,8 +19,9 @@ number of committed tokens per second of the round peaks:
   sources (``Proposal.sources``); a proposal without them is sent whole.
 - ``cost(n)``: the median seconds of the target's pass over n rows (the ``verify_seconds`` its
   verdicts report; where a target reports none, the whole round from sending to verdict), over the
-  last rounds whose pass had n rows (``RoundCosts``); sizes never seen are interpolated from the
-  sizes next to them (extrapolated past the largest), and without any the proposal is sent whole.
+  last rounds whose pass had n rows; sizes never seen are interpolated from the
+  sizes next to them (extrapolated past the largest; ``tandem.pass_costs``), and without any the
+  proposal is sent whole.
   ``overhead``: what a round costs whatever the length: the median time the proposer took, and the
   round trip to the session's target beyond its pass (measured per target, ``draft_service.hop``),
   so blocks grow with the distance to the target where acceptance allows.
@@ -60,14 +61,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.pass_costs import COST_WINDOW, PassCosts
 from tandem.rpc.token_tree import ROOT, depths
 
 log = logging.getLogger(__name__)
 
 LOG_EVERY = 256  # rounds between two debug lines with the learned costs
 MAX_DEPTH_BUCKET = 4  # depths 4 and beyond share their tallies
-COST_WINDOW = 48  # round costs remembered per block size
-MIN_COST_SAMPLES = 3  # rounds of a size before its median counts
 # A session's own tallies count against the service's as if the service's rate had been seen this
 # many times in the session: text that copies itself (JSON) and text that does not (prose) differ
 # more than one service-wide rate per source can say.
@@ -189,46 +189,6 @@ def load_prior(path: Path) -> AcceptancePrior:
         raise PriorFileError(f"acceptance prior {path}: {exc}") from exc
 
 
-@dataclass
-class RoundCosts:
-    """Recent seconds per block size (rows = drafts + 1), as medians over a window."""
-
-    window: int = COST_WINDOW
-    _samples: dict[int, deque[float]] = field(default_factory=dict)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        self._samples.setdefault(rows, deque(maxlen=self.window)).append(seconds)
-
-    def medians(self) -> dict[int, float]:
-        return {
-            rows: statistics.median(samples)
-            for rows, samples in sorted(self._samples.items())
-            if len(samples) >= MIN_COST_SAMPLES
-        }
-
-    def estimate(self, rows: float, medians: dict[int, float] | None = None) -> float | None:
-        """The median for ``rows``, else interpolated between the nearest known sizes; below the
-        smallest, the smallest's; past the largest, on along the slope of the two largest (never
-        down: a pass does not get cheaper with rows); None before any size is known."""
-        known = self.medians() if medians is None else medians
-        if not known:
-            return None
-        if rows in known:
-            return known[rows]
-        below = max((r for r in known if r < rows), default=None)
-        above = min((r for r in known if r > rows), default=None)
-        if below is None:
-            return known[above]
-        if above is None:
-            sizes = sorted(known)
-            if len(sizes) < 2:
-                return known[below]
-            a, b = sizes[-2], sizes[-1]
-            return known[b] + max(0.0, (known[b] - known[a]) / (b - a)) * (rows - b)
-        weight = (rows - below) / (above - below)
-        return known[below] + weight * (known[above] - known[below])
-
-
 class BlockLengthPolicy:
     """One per draft service (the target's costs and the drafter's habits are the service's, not a
     session's); sessions call ``length`` before sending a block and ``observe`` with its verdict."""
@@ -239,7 +199,7 @@ class BlockLengthPolicy:
         otherwise never get the chance to do better on another. ``prior``: the drafter's measured
         acceptance (``Proposer.acceptance_prior``), so a fresh service cuts as a warmed one would."""
         self.acceptance = AcceptanceTally(prior)
-        self.costs = RoundCosts()
+        self.costs = PassCosts()
         self._propose_seconds: deque[float] = deque(maxlen=COST_WINDOW)
         self._transport_seconds: deque[float] = deque(maxlen=COST_WINDOW)  # round trips beyond the pass
         # (rows, tokens) of the other sessions in the passes of the last verdicts

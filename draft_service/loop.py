@@ -181,6 +181,7 @@ class SpeculationLoop:
                 num_draft_positions=proposal.positions,
                 propose_seconds=proposed - started,
                 exchange_seconds=answered - asked,
+                step_seconds=verdict.step_seconds,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

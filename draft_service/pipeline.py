@@ -142,7 +142,7 @@ class PipelinedLoop(SpeculationLoop):
                 num_draft_tokens=len(flight.proposal.token_ids), num_accepted=verdict.num_accepted,
                 round_seconds=answered - flight.started, verify_seconds=verdict.verify_seconds,
                 num_draft_positions=flight.proposal.positions, propose_seconds=flight.proposed - flight.started,
-                exchange_seconds=answered - flight.sent,
+                exchange_seconds=answered - flight.sent, step_seconds=verdict.step_seconds,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

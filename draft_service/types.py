@@ -178,6 +178,7 @@ class RoundResult:
     num_draft_positions: int = 0  # the block's Proposal.positions (num_draft_tokens for a chain)
     propose_seconds: float = 0.0  # of round_seconds: the proposer's work (model-thread hop included)
     exchange_seconds: float = 0.0  # of round_seconds: the Verify round trip (verify_seconds within it)
+    step_seconds: float = 0.0  # the verdict's (Verdict.step_seconds), for the gateway
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ def speculate_response(result: RoundResult) -> draft_pb2.SpeculateResponse:
         round_seconds=result.round_seconds,
         verify_seconds=result.verify_seconds,
         num_draft_positions=result.num_draft_positions,
+        step_seconds=result.step_seconds,
     )
 
 

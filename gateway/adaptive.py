@@ -38,8 +38,8 @@ may commit up to K more), a ``Generate`` leg exactly at its size.
 
 Times are measured by the gateway (gaps between upstream messages) for both modes, so network
 and serialisation costs weigh on both sides alike. The target's step time is shared by all
-sessions (:class:`StepTimer`); until a ``Generate`` has been timed, the target's verification time
-of a block stands in for it (an upper bound of a single step, so it errs towards speculating).
+sessions of a load (:class:`gateway.step_time.StepTimer`): the step a session would take at that load if it decoded
+autoregressively, as the target prices it, plus what a step costs beyond the target's pass.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from gateway.policy import (
     Mode,
     SpeculationPolicy,
 )
+from gateway.step_time import StepTimer
 from tandem.config import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -127,31 +128,6 @@ class Leg:
     probe: bool = False
 
 
-class StepTimer:
-    """The target's single-step time, an exponential average shared by all sessions."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self._alpha = alpha
-        self._step_s: float | None = None
-        self._verify_s: float | None = None
-
-    def observe_step(self, seconds: float) -> None:
-        """One ``Generate`` token, timed between two messages of a stream."""
-        self._step_s = self._average(self._step_s, seconds)
-
-    def observe_verify(self, seconds: float) -> None:
-        """The target's own time to verify a block (reported in each speculation round)."""
-        if seconds > 0:
-            self._verify_s = self._average(self._verify_s, seconds)
-
-    @property
-    def step_s(self) -> float | None:
-        return self._step_s if self._step_s is not None else self._verify_s
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else self._alpha * new + (1 - self._alpha) * old
-
-
 @dataclass(frozen=True)
 class WindowStats:
     rounds: int
@@ -174,14 +150,16 @@ class SessionController:
         policy: SpeculationPolicy,
         can_speculate: Callable[[], bool],
         adaptive: bool = True,
-        report: Callable[[float, float, int], None] | None = None,
+        report: Callable[[float, int], None] | None = None,
         prior_ratio: Callable[[], float | None] = lambda: None,
+        load: Callable[[], int] = lambda: 1,
     ) -> None:
         """``can_speculate``: whether the draft's breaker and the server's load allow it now;
         ``adaptive``: False for ``speculation: "on"`` (never fall back by measurement);
-        ``report(seconds_per_token, step_seconds, tokens)``: told at :meth:`finish` what speculation gave the
+        ``report(seconds_per_token, tokens)``: told at :meth:`finish` what speculation gave the
         session over all its timed rounds (the temperature prior, gateway.prior); ``prior_ratio()``:
-        that prior's current ratio at the session's temperature (None while it has too few reports)."""
+        that prior's current ratio at the session's temperature (None while it has too few reports);
+        ``load()``: sessions in progress per target now (the step is the target's at that load)."""
         self.config = config
         self._timer = timer
         self._policy = policy
@@ -196,6 +174,7 @@ class SessionController:
         self._reprobe_after = config.reprobe_after_tokens
         self._report = report
         self._prior_ratio = prior_ratio
+        self._load = load
         self._timed_seconds = 0.0  # over every timed speculative round of the session
         self._timed_tokens = 0
         self._timed_rounds = 0
@@ -215,11 +194,8 @@ class SessionController:
         it speculated for at least a warm-up's worth of timed rounds. The whole session rather than a
         window: its first rounds, before lookup has text to copy, are its worst, and a band's prior
         should hear what speculation gave, not what the first verdict feared."""
-        step = self._timer.step_s
-        if self._report is not None and step is not None and self._timed_tokens and (
-            self._timed_rounds >= self.config.warmup_rounds
-        ):
-            self._report(self._timed_seconds / self._timed_tokens, step, self._timed_tokens)
+        if self._report is not None and self._timed_tokens and self._timed_rounds >= self.config.warmup_rounds:
+            self._report(self._timed_seconds / self._timed_tokens, self._timed_tokens)
             self._report = None  # once
 
     def observe_autoregressive(self, tokens: int) -> None:
@@ -248,11 +224,15 @@ class SessionController:
         prior_seconds = weight * (1.0 if ratio is None else ratio) * step
         return (stats.timed_seconds + prior_seconds) / (stats.timed_tokens + weight)
 
+    def step_s(self) -> float | None:
+        """The target's step at the load now (:class:`StepTimer`)."""
+        return self._timer.step_s(self._load())
+
     # -- decisions -----------------------------------------------------------------------------
 
     def describe(self) -> str:
         """The window the last decision read, for the log line of a switch."""
-        stats, step = self.stats(), self._timer.step_s
+        stats, step = self.stats(), self.step_s()
         parts = [f"{stats.rounds} rounds, {stats.tokens_per_round:.2f} tokens a round"]
         if stats.acceptance is not None:
             parts.append(f"acceptance {stats.acceptance:.2f}")
@@ -306,7 +286,7 @@ class SessionController:
         min_acceptance = self.config.min_acceptance * (1 + h if strict else 1)
         if stats.acceptance is not None and stats.acceptance < min_acceptance:
             return LOW_ACCEPTANCE
-        step = self._timer.step_s
+        step = self.step_s()
         judged = None if step is None else self.judged_seconds_per_token(stats, step)
         if judged is not None:
             max_seconds = step / (1 + h) if strict else step * (1 + h)

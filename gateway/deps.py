@@ -8,11 +8,13 @@ Invariant: generations never assign its fields; what they count together goes th
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.adaptive import AdaptiveConfig, StepTimer
+from gateway.adaptive import AdaptiveConfig
+from gateway.step_time import StepTimer
 from gateway.counters import SessionCounters
 from gateway.draft_speeds import DraftSpeeds
 from gateway.pacer import PacerConfig
@@ -94,6 +96,12 @@ class GenerationDeps:
 
     def __post_init__(self) -> None:
         self.counters = SessionCounters(self.metrics)
+
+    def sessions_per_target(self, sessions: int | None = None) -> int:
+        """``sessions`` in progress at the gateway (default: now) as sessions per target of the pool."""
+        if sessions is None:
+            sessions = self.counters.active_sessions
+        return math.ceil(sessions / max(1, len(self.targets.members)))
 
     def can_speculate(self) -> bool:
         """Whether a draft of the pool may take a speculative leg now."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -95,10 +94,6 @@ class Generation:
         """The current target session (a resync moves the request to a fresh one)."""
         return self._session.session_id
 
-    def _load(self, sessions: int) -> int:
-        """``sessions`` in progress at the gateway as sessions per target (of the pool's members)."""
-        return math.ceil(sessions / max(1, len(self._deps.targets.members)))
-
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -106,12 +101,14 @@ class Generation:
         deps = self._deps
         counters = deps.counters
         prior, temperature = deps.policy.prior, self.request.sampling.temperature
-        started_load = self._load(counters.active_sessions + 1)
+        started_load = deps.sessions_per_target(counters.active_sessions + 1)
 
-        def report(seconds_per_token: float, step_seconds: float, tokens: int) -> None:
+        def report(seconds_per_token: float, tokens: int) -> None:
             # The load the session saw: at its start or at its end, whichever was higher.
-            load = max(started_load, self._load(counters.active_sessions))
-            prior.observe(temperature, seconds_per_token, step_seconds, tokens, sessions=load)
+            load = max(started_load, deps.sessions_per_target())
+            step_seconds = deps.step_timer.step_s(load)
+            if step_seconds is not None:
+                prior.observe(temperature, seconds_per_token, step_seconds, tokens, sessions=load)
 
         decision = deps.policy.initial(self.request, deps.can_speculate(), counters.active_sessions, started_load)
         self._controller = SessionController(
@@ -122,7 +119,8 @@ class Generation:
             can_speculate=lambda: deps.can_speculate() and not deps.policy.saturated(counters.active_sessions - 1),
             adaptive=self.request.speculation is Speculation.AUTO,
             report=report,
-            prior_ratio=lambda: prior.ratio(temperature, self._load(counters.active_sessions)),
+            prior_ratio=lambda: prior.ratio(temperature, deps.sessions_per_target()),
+            load=deps.sessions_per_target,
         )
         self._enter(decision)
         try:

@@ -166,7 +166,8 @@ class LegReader:
                         Round(len(batch.token_ids), batch.num_draft_tokens, batch.num_accepted, seconds,
                               positions=batch.num_draft_positions or None)
                     )
-                    deps.step_timer.observe_verify(batch.verify_seconds)
+                    deps.step_timer.observe_verify(batch.verify_seconds, deps.sessions_per_target(),
+                                                   batch.step_seconds)
                 yield batch
         except TimeoutError:
             stream.cancel()
@@ -200,7 +201,9 @@ class LegReader:
                 if batch.token_ids:
                     controller.observe_autoregressive(len(batch.token_ids))
                     if seconds is not None:
-                        self._deps.step_timer.observe_step(seconds / len(batch.token_ids))
+                        self._deps.step_timer.observe_step(seconds / len(batch.token_ids),
+                                                           self._deps.sessions_per_target(),
+                                                           batch.pass_seconds, batch.step_seconds)
                 yield batch
         except TargetLost:
             stream.cancel()

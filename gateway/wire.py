@@ -82,7 +82,7 @@ def batch_from_prefill(response: target_pb2.PrefillResponse, mode: Mode | None =
 def batch_from_generate(response: target_pb2.TargetServiceGenerateResponse) -> Batch:
     return Batch(
         tuple(response.token_ids), finish_from_wire(response.finish_reason), response.committed_len,
-        Mode.AUTOREGRESSIVE,
+        Mode.AUTOREGRESSIVE, step_seconds=response.step_seconds, pass_seconds=response.pass_seconds,
     )
 
 
@@ -96,4 +96,5 @@ def batch_from_speculate(response: draft_pb2.SpeculateResponse) -> Batch:
         num_accepted=response.num_accepted,
         num_draft_positions=response.num_draft_positions,
         verify_seconds=response.verify_seconds,
+        step_seconds=response.step_seconds,
     )

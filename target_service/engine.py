@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.config import TargetSettings
 from tandem.models import LoadedModel, load_model
+from tandem.pass_costs import PassCosts
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
@@ -107,6 +108,7 @@ class TargetEngine:
             session_ttl_s, max_sessions, clock, on_live_change=self._report_live, kv_budget_tokens=budget_tokens
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
+        self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
         self._report_live(0)
 
     @classmethod
@@ -232,8 +234,32 @@ class TargetEngine:
                         answers[i] = self.planner.finish(plan, scores, hidden, started)
                     except Exception as error:  # noqa: BLE001
                         answers[i] = error
-                _name_the_pass(answers, sum(len(plan.step.token_ids) for _, plan in planned))
+                rows = sum(len(plan.step.token_ids) for _, plan in planned)
+                seconds = time.perf_counter() - started
+                self.pass_costs.observe(rows, seconds)
+                self._name_the_pass(answers, rows, len(planned), seconds)
         return answers
+
+    def step_seconds(self, sessions_in_pass: int = 0) -> float:
+        """What a pass would cost in which every session decodes one token: a row for each live
+        session (at least those of the pass just run), priced by the passes measured so far (0
+        before any size is known). Under load it is the step the gateway weighs speculation against:
+        a decoding step beside speculating sessions waits for their drafts' rows, so the pass it
+        shared is not the one it would have with every session decoding (docs/fallback.md#step-time)."""
+        estimate = self.pass_costs.estimate(max(1, sessions_in_pass, self.store.live))
+        return 0.0 if estimate is None else estimate
+
+    def _name_the_pass(self, answers: list[Answer | Exception], rows: int, sessions: int, seconds: float) -> None:
+        """Tells each verdict of a pass its ``rows`` and the tokens it committed, every session's
+        share included: a draft prices its own rows against the others' in a shared pass. Verdicts
+        and decode steps learn :meth:`step_seconds`, a decode step also its pass's ``seconds``."""
+        tokens = sum(_committed(answer) for answer in answers)
+        step = self.step_seconds(sessions)
+        for i, answer in enumerate(answers):
+            if isinstance(answer, Verdict) and answer.status is VerdictStatus.OK:
+                answers[i] = dataclasses.replace(answer, pass_rows=rows, pass_tokens=tokens, step_seconds=step)
+            elif isinstance(answer, GenerateResult) and answer.token_ids:
+                answers[i] = dataclasses.replace(answer, pass_seconds=seconds, step_seconds=step)
 
     def release(self, session_id: str) -> bool:
         """Frees the session; False when it did not exist."""
@@ -274,15 +300,6 @@ class TargetEngine:
     def _report_live(self, live: int) -> None:
         if self.metrics is not None:
             self.metrics.sessions_active.labels(mode="target").set(live)
-
-
-def _name_the_pass(answers: list[Answer | Exception], rows: int) -> None:
-    """Tells each verdict of a pass its ``rows`` and the tokens it committed, every session's
-    share included: a draft prices its own rows against the others' in a shared pass."""
-    tokens = sum(_committed(answer) for answer in answers)
-    for i, answer in enumerate(answers):
-        if isinstance(answer, Verdict) and answer.status is VerdictStatus.OK:
-            answers[i] = dataclasses.replace(answer, pass_rows=rows, pass_tokens=tokens)
 
 
 def _committed(answer: Answer | Exception) -> int:

@@ -7,7 +7,7 @@ reasons are the ones the draft and the gateway use too (``tandem.rpc.types``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,3 +62,7 @@ class GenerateResult:
     token_ids: tuple[int, ...]
     committed_len: int
     finish_reason: FinishReason
+    # Timings, not part of the answer: the pass that decoded the token, every session's rows
+    # included, and a pass of one row per session, estimated (TargetEngine.step_seconds).
+    pass_seconds: float = field(default=0.0, compare=False)
+    step_seconds: float = field(default=0.0, compare=False)

@@ -35,6 +35,8 @@ def generate_response(result: GenerateResult) -> target_pb2.TargetServiceGenerat
         token_ids=result.token_ids,
         committed_len=result.committed_len,
         finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
+        pass_seconds=result.pass_seconds,
+        step_seconds=result.step_seconds,
     )
 
 

@@ -8,13 +8,10 @@ import pytest
 from draft_fakes import InMemoryVerifier, ReferenceTarget, generate_greedy, load_tiny
 
 from draft_service.block_length import (
-    COST_WINDOW,
-    MIN_COST_SAMPLES,
     PRIOR_WEIGHT,
     AcceptanceTally,
     BlockLengthPolicy,
     PriorFileError,
-    RoundCosts,
     confidence_source,
     load_prior,
     save_prior,
@@ -23,6 +20,7 @@ from draft_service.loop import SpeculationLoop
 from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer, agreeing_run, match_bucket
 from draft_service.types import FinishReason, Proposal, SamplingParams, SessionSpec, SparseDist
+from tandem.pass_costs import COST_WINDOW, MIN_COST_SAMPLES
 
 PROMPT = (2, 40, 41, 42, 43, 44, 45, 46)
 
@@ -105,23 +103,6 @@ def test_a_fresh_policy_with_a_prior_keeps_the_long_copies_a_coin_flip_would_cut
 )
 def test_confidence_sources_are_tenths(probability, source):
     assert confidence_source("head", probability) == source
-
-
-def test_round_costs_are_medians_interpolated_between_known_sizes():
-    costs = RoundCosts()
-    costs.observe(2, 1.0)  # an outlier: the median ignores it
-    assert costs.estimate(2) is None  # fewer samples than MIN_COST_SAMPLES
-    for seconds in (0.010, 0.011, 0.012, 0.013):
-        costs.observe(2, seconds)
-    for _ in range(MIN_COST_SAMPLES):
-        costs.observe(6, 0.030)
-    assert costs.estimate(2) == pytest.approx(0.012)
-    assert costs.estimate(4) == pytest.approx(0.012 + 0.5 * (0.030 - 0.012))
-    assert costs.estimate(1) == pytest.approx(0.012)  # below every known size: the nearest
-    assert costs.estimate(8) == pytest.approx(0.030 + 2 * (0.030 - 0.012) / 4)  # past the largest: its slope
-    for _ in range(MIN_COST_SAMPLES):
-        costs.observe(9, 0.020)  # a wider pass measured cheaper (noise): never extrapolated downwards
-    assert costs.estimate(12) == pytest.approx(0.020)
 
 
 def test_without_costs_or_sources_a_proposal_goes_whole():

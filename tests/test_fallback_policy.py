@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from gateway.adaptive import AdaptiveConfig, Leg, Round, SessionController, StepTimer
+from gateway.adaptive import AdaptiveConfig, Leg, Round, SessionController
+from gateway.step_time import StepTimer
 from gateway.breaker import BreakerConfig, BreakerState, DraftBreaker, DraftFailure
 from gateway.policy import (
     DRAFT_UNAVAILABLE,
@@ -266,14 +267,22 @@ def test_disabled_adaptive_still_returns_after_a_draft_outage():
     assert c.next_leg() == (Leg(SPEC, 0), None)
 
 
-def test_step_timer_prefers_measured_steps_over_verify_times():
-    timer = StepTimer(alpha=0.5)
-    assert timer.step_s is None
-    timer.observe_verify(0.2)
-    assert timer.step_s == 0.2
-    timer.observe_step(0.1)
-    timer.observe_step(0.05)
-    assert timer.step_s == pytest.approx(0.075)
+def test_under_load_speculation_is_weighed_against_every_session_decoding():
+    """Eight sessions speculating at 42 ms a token, in passes of 65 ms. A step of eight decoding
+    sessions takes 23 ms: speculation costs them all. Weighed against the verification pass (a target
+    that prices no step), speculation seemed to pay and every session kept it."""
+    def after_warm_up(step_seconds: float):
+        timer = StepTimer(alpha=1.0)
+        c = SessionController(CONFIG, timer, Decision(SPEC), policy=SpeculationPolicy(), can_speculate=lambda: True,
+                              load=lambda: 8)
+        c.next_leg()
+        for _ in range(4):
+            timer.observe_verify(0.065, 8, step_seconds)
+            c.observe_round(Round(committed=4, drafted=4, accepted=3, seconds=0.168))
+        return c.next_leg()[1]
+
+    assert after_warm_up(0.023) == Decision(AR, SLOWER_THAN_AUTOREGRESSIVE)
+    assert after_warm_up(0.0) is None
 
 
 # ---- the circuit breaker -----------------------------------------------------------------------

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.adaptive import AdaptiveConfig, Round, SessionController, StepTimer
+from gateway.adaptive import AdaptiveConfig, Round, SessionController
+from gateway.step_time import StepTimer
 from gateway.policy import PRIOR_SLOWER, Decision, Mode, PolicyConfig, SpeculationPolicy
 from gateway.prior import PriorConfig, TemperaturePrior, band, load_band
 from gateway.request import GenerationRequest, SamplingParams, Speculation
@@ -115,7 +116,7 @@ def _controller(reports: list, adaptive: bool = True) -> SessionController:
     timer.observe_step(0.02)
     config = AdaptiveConfig(window_rounds=8, warmup_rounds=4, reprobe_after_tokens=16, probe_tokens=4)
     return SessionController(config, timer, Decision(SPEC), policy=SpeculationPolicy(), can_speculate=lambda: True,
-                             adaptive=adaptive, report=lambda spt, step, tokens: reports.append((spt, step, tokens)))
+                             adaptive=adaptive, report=lambda spt, tokens: reports.append((spt, tokens)))
 
 
 def test_a_session_reports_at_its_end_what_speculation_gave_it() -> None:
@@ -133,7 +134,7 @@ def test_a_session_reports_at_its_end_what_speculation_gave_it() -> None:
     assert reports == []
     c.finish()
     c.finish()  # once
-    assert reports == [(pytest.approx(8 * 0.05 / 24), 0.02, 24)]
+    assert reports == [(pytest.approx(8 * 0.05 / 24), 24)]
 
 
 def test_a_session_too_short_to_judge_reports_nothing() -> None:

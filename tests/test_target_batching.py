@@ -266,6 +266,36 @@ def _check_run_batch_matches_alone(target, screened: bool = False) -> None:
     assert passes == rounds and sessions_in_passes > 2 * rounds
 
 
+class _RowPrices:
+    """Pass costs of a millisecond a row, whatever was measured."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: float) -> float:
+        return 0.001 * rows
+
+
+def test_answers_name_what_a_step_of_every_live_session_costs(llama) -> None:
+    """Verdicts and decode steps carry the target's price of a pass of one row per live session
+    (the step the gateway weighs speculation against); a decode step also the pass it shared. No
+    size measured yet: 0, not a guess. Passes are measured by their rows as they run."""
+    engine = _engine(llama)
+    sessions = {f"s{i}": SessionConfig(max_new_tokens=8, ignore_eos=True) for i in range(3)}
+    _start(engine, sessions)
+    steps = [engine.run_batch([DecodeStep("s0")])[0] for _ in range(3)]
+    assert [step.step_seconds for step in steps[:2]] == [0.0, 0.0]  # one-row passes: too few to price
+    assert all(step.pass_seconds > 0 for step in steps)
+    assert set(engine.pass_costs.medians()) == {1}  # the prompts' passes (6, 11, 16 rows) once each
+    assert steps[2].step_seconds == engine.pass_costs.medians()[1]  # three rows priced as the nearest size
+    engine.pass_costs = _RowPrices()
+    block = DraftBlock("s1", engine.store.get("s1").committed_len, draft_token_ids=(5, 6))
+    verdict, step = engine.run_batch([block, DecodeStep("s2")])
+    assert verdict.status is VerdictStatus.OK and verdict.pass_rows == 4
+    assert verdict.step_seconds == pytest.approx(0.003) == step.step_seconds  # three live sessions, a row each
+    assert step.pass_seconds > 0 and step.token_ids
+
+
 def test_a_lone_step_past_the_sliding_window_takes_the_ragged_path_with_the_same_answers(gemma, llama, monkeypatch):
     """Past the window a session alone decodes and verifies through ``ragged.forward`` (its sliding
     layers then read only the window's keys); up to the window, for a long prompt chunk and for a

@@ -172,6 +172,7 @@ def verdict(response: target_pb2.VerifyResponse) -> Verdict:
         verify_seconds=response.verify_seconds,
         pass_rows=response.pass_rows,
         pass_tokens=response.pass_tokens,
+        step_seconds=response.step_seconds,
     )
 
 
@@ -187,4 +188,5 @@ def verdict_to_wire(verdict: Verdict) -> target_pb2.VerifyResponse:
         verify_seconds=verdict.verify_seconds,
         pass_rows=verdict.pass_rows,
         pass_tokens=verdict.pass_tokens,
+        step_seconds=verdict.step_seconds,
     )

@@ -114,3 +114,6 @@ class Verdict:
     # rows and the tokens it committed; equal to this block's own when it had the pass alone.
     pass_rows: int = 0
     pass_tokens: int = 0
+    # What a pass of one row per session would cost, estimated by the target from its measured
+    # passes (0: not reported): the step a session would take decoding autoregressively now.
+    step_seconds: float = 0.0

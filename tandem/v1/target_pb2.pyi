@@ -102,7 +102,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., block_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("block_id", "status", "num_accepted", "committed_token_ids", "committed_len", "finish_reason", "hidden_states", "verify_seconds", "pass_rows", "pass_tokens")
+    __slots__ = ("block_id", "status", "num_accepted", "committed_token_ids", "committed_len", "finish_reason", "hidden_states", "verify_seconds", "pass_rows", "pass_tokens", "step_seconds")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class VerifyResponse(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     status: VerdictStatus
     num_accepted: int
@@ -123,7 +124,8 @@ class VerifyResponse(_message.Message):
     verify_seconds: float
     pass_rows: int
     pass_tokens: int
-    def __init__(self, block_id: _Optional[int] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., pass_rows: _Optional[int] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, block_id: _Optional[int] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., pass_rows: _Optional[int] = ..., pass_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class TargetServiceGenerateRequest(_message.Message):
     __slots__ = ("session_id", "max_new_tokens")
@@ -134,14 +136,18 @@ class TargetServiceGenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetServiceGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "committed_len", "finish_reason")
+    __slots__ = ("token_ids", "committed_len", "finish_reason", "pass_seconds", "step_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    pass_seconds: float
+    step_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., pass_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
