@@ -5,7 +5,8 @@ past some width the arithmetic takes over; where that happens depends on the hos
 Both sides of a speculative round need the curve: the draft prices a block's drafts against the
 pass they widen (``draft_service.block_length``), and the target names, beside each answer, what a
 pass would cost in which every session decodes one token (``target_service.engine``), the step
-the gateway weighs speculation against. The invariant: an estimate never falls as rows grow.
+the gateway weighs speculation against. Measured sizes give their medians (noise included: a
+wider pass may measure cheaper); past the widest measured, an estimate never falls as rows grow.
 """
 
 from __future__ import annotations
