@@ -58,7 +58,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.pass_costs import COST_WINDOW, PassCosts

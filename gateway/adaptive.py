@@ -38,8 +38,9 @@ may commit up to K more), a ``Generate`` leg exactly at its size.
 
 Times are measured by the gateway (gaps between upstream messages) for both modes, so network
 and serialisation costs weigh on both sides alike. The target's step time is shared by all
-sessions of a load (:class:`gateway.step_time.StepTimer`): the step a session would take at that load if it decoded
-autoregressively, as the target prices it, plus what a step costs beyond the target's pass.
+sessions of a load (:class:`gateway.step_time.StepTimer`): the step a session would take at that
+load if it decoded autoregressively, as the target prices it, plus what a step costs beyond the
+target's pass.
 """
 
 from __future__ import annotations
