@@ -182,6 +182,7 @@ class SpeculationLoop:
                 propose_seconds=proposed - started,
                 exchange_seconds=answered - asked,
                 step_seconds=verdict.step_seconds,
+                logprobs=verdict.logprobs,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return
@@ -285,6 +286,8 @@ class SpeculationLoop:
             raise ProtocolError(f"verdict accepts {accepted} tokens that are not {shape}")
         if not committed and verdict.finish_reason is FinishReason.NONE:
             raise ProtocolError("verdict committed nothing and did not finish the session")
+        if verdict.logprobs and len(verdict.logprobs) != len(committed):
+            raise ProtocolError(f"verdict carries {len(verdict.logprobs)} log-probabilities for {len(committed)} tokens")
         return committed
 
     def _on_stale(self, verdict: Verdict) -> None:

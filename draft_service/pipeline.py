@@ -143,6 +143,7 @@ class PipelinedLoop(SpeculationLoop):
                 round_seconds=answered - flight.started, verify_seconds=verdict.verify_seconds,
                 num_draft_positions=flight.proposal.positions, propose_seconds=flight.proposed - flight.started,
                 exchange_seconds=answered - flight.sent, step_seconds=verdict.step_seconds,
+                logprobs=verdict.logprobs,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

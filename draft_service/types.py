@@ -16,6 +16,7 @@ from tandem.rpc.types import (  # noqa: F401 (Verdict, VerdictStatus: re-exporte
     FinishReason,
     SamplingParams,
     SparseDist,
+    TokenLogprob,
     Verdict,
     VerdictStatus,
 )
@@ -179,6 +180,7 @@ class RoundResult:
     propose_seconds: float = 0.0  # of round_seconds: the proposer's work (model-thread hop included)
     exchange_seconds: float = 0.0  # of round_seconds: the Verify round trip (verify_seconds within it)
     step_seconds: float = 0.0  # the verdict's (Verdict.step_seconds), for the gateway
+    logprobs: tuple[TokenLogprob, ...] = ()  # the verdict's, one per token (when the session asked)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def speculate_response(result: RoundResult) -> draft_pb2.SpeculateResponse:
         verify_seconds=result.verify_seconds,
         num_draft_positions=result.num_draft_positions,
         step_seconds=result.step_seconds,
+        logprobs=codecs.token_logprobs_to_wire(result.logprobs),
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.policy import Mode
+from tandem.rpc.types import TokenLogprob
 
 
 @dataclass
@@ -72,10 +73,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """Text that became printable, and the tokens committed since the previous delta."""
+    """Text that became printable, and the tokens committed since the previous delta (with their
+    log-probabilities, one per token, when the request asked for them)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

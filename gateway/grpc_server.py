@@ -23,7 +23,7 @@ from gateway.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.events import Finished, TextDelta, Usage
 from gateway.validation import RequestFields
 from tandem import telemetry
-from tandem.rpc import streams
+from tandem.rpc import codecs, streams
 from tandem.rpc.endpoints import Health, bind, enable_reflection, make_server
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -65,6 +65,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         ),
         ignore_eos=request.ignore_eos,
         stream_smoothing=_SMOOTHING.get(request.stream_smoothing, str(request.stream_smoothing)),
+        top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
     )
     if request.messages:
         fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]
@@ -141,7 +142,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 async with aclosing(generation.events()) as events:
                     async for event in events:
                         if isinstance(event, TextDelta):
-                            yield gateway_pb2.GatewayServiceGenerateResponse(text=event.text, token_ids=event.token_ids)
+                            yield gateway_pb2.GatewayServiceGenerateResponse(
+                                text=event.text,
+                                token_ids=event.token_ids,
+                                logprobs=codecs.token_logprobs_to_wire(event.logprobs),
+                            )
                         elif isinstance(event, Finished):
                             outcome.usage, outcome.finish_reason = event.usage, event.finish_reason
                             yield gateway_pb2.GatewayServiceGenerateResponse(

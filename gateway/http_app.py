@@ -101,12 +101,12 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
-        meta = ResponseMeta("chat", core.model.name, body.include_usage)
+        meta = ResponseMeta("chat", core.model.name, body.include_usage, strings=core.model.strings)
         return await _generate(core, body.to_fields, meta, body.stream, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
-        meta = ResponseMeta("completion", core.model.name, body.include_usage)
+        meta = ResponseMeta("completion", core.model.name, body.include_usage, strings=core.model.strings)
         return await _generate(core, body.to_fields, meta, body.stream, request)
 
     def model_card() -> ModelCard:

@@ -23,6 +23,9 @@ from pydantic import BaseModel
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.events import Finished, TextDelta, Usage
 from gateway.generation import Generation
+from gateway.logprobs import chat_logprobs, completion_logprobs
+from gateway.token_strings import TokenStrings
+from gateway.output import merged
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,7 +33,9 @@ from gateway.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     SpeculativeDecodingUsage,
     UsageInfo,
@@ -48,6 +53,8 @@ class ResponseMeta:
     kind: Literal["chat", "completion"]
     model: str
     include_usage: bool = False
+    # Turns the log-probabilities of tokens into their texts (they come only when asked for).
+    strings: TokenStrings | None = field(default=None, compare=False, repr=False)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -69,11 +76,13 @@ def usage_info(usage: Usage) -> UsageInfo:
 async def complete(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse | CompletionResponse:
     """Runs a started generation to the end and returns the whole response."""
     texts: list[str] = []
+    deltas: list[TextDelta] = []
     finished: Finished | None = None
     async with aclosing(generation.events()) as events:
         async for event in events:
             if isinstance(event, TextDelta):
                 texts.append(event.text)
+                deltas.append(event)
             else:
                 finished = event
     if finished is None:  # events() always ends with Finished or raises; guard the invariant
@@ -81,9 +90,10 @@ async def complete(generation: Generation, meta: ResponseMeta) -> ChatCompletion
     text, usage = "".join(texts), usage_info(finished.usage)
     reason = finished.finish_reason
     if meta.kind == "chat":
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=_chat_logprobs(meta, merged(deltas)),
+                            finish_reason=reason)
         return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
-    choice = CompletionChoice(text=text, finish_reason=reason)
+    choice = CompletionChoice(text=text, logprobs=_completion_logprobs(meta, deltas, 0), finish_reason=reason)
     return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
 
 
@@ -92,11 +102,13 @@ async def stream(generation: Generation, meta: ResponseMeta) -> AsyncIterator[st
     try:
         if meta.kind == "chat":
             yield _event(_chat_chunk(meta, ChatDelta(role="assistant", content="")))
+        sent = 0  # characters of text streamed so far (a completion's logprobs count offsets in it)
         async with aclosing(generation.events()) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
-                    if event.text:
-                        yield _event(_text_chunk(meta, event.text))
+                    if event.text or event.logprobs:  # a token's log-probabilities go out even before its text
+                        yield _event(_text_chunk(meta, event, sent))
+                        sent += len(event.text)
                     continue
                 yield _event(_finish_chunk(meta, event.finish_reason))
                 if meta.include_usage:
@@ -115,22 +127,45 @@ def _event(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
 
-def _chat_chunk(meta: ResponseMeta, delta: ChatDelta, finish_reason: str | None = None) -> ChatCompletionChunk:
-    choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)
+def _chat_chunk(
+    meta: ResponseMeta, delta: ChatDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None
+) -> ChatCompletionChunk:
+    choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
     return ChatCompletionChunk(id=meta.id, object="chat.completion.chunk", created=meta.created,
                                model=meta.model, choices=[choice])
 
 
-def _completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None) -> CompletionResponse:
-    choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+def _completion_chunk(
+    meta: ResponseMeta, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None
+) -> CompletionResponse:
+    choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish_reason)
     return CompletionResponse(id=meta.id, object="text_completion", created=meta.created,
                               model=meta.model, choices=[choice])
 
 
-def _text_chunk(meta: ResponseMeta, text: str) -> BaseModel:
+def _text_chunk(meta: ResponseMeta, delta: TextDelta, sent: int) -> BaseModel:
+    """A delta's text and its tokens' log-probabilities (``sent``: characters streamed before it)."""
     if meta.kind == "chat":
-        return _chat_chunk(meta, ChatDelta(content=text))
-    return _completion_chunk(meta, text)
+        return _chat_chunk(meta, ChatDelta(content=delta.text), logprobs=_chat_logprobs(meta, delta))
+    return _completion_chunk(meta, delta.text, logprobs=_completion_logprobs(meta, [delta], sent))
+
+
+def _chat_logprobs(meta: ResponseMeta, delta: TextDelta) -> ChatLogprobs | None:
+    if not delta.logprobs or meta.strings is None:
+        return None
+    return chat_logprobs(meta.strings, list(zip(delta.token_ids, delta.logprobs)))
+
+
+def _completion_logprobs(meta: ResponseMeta, deltas: list[TextDelta], sent: int) -> CompletionLogprobs | None:
+    """The log-probabilities of the deltas' tokens, each token's text offset being where the text
+    stood before its delta (``sent``: the characters before the first delta)."""
+    found = []
+    for delta in deltas:
+        found += [(token, lp, sent) for token, lp in zip(delta.token_ids, delta.logprobs)]
+        sent += len(delta.text)
+    if not found or meta.strings is None:
+        return None
+    return completion_logprobs(meta.strings, found)
 
 
 def _finish_chunk(meta: ResponseMeta, finish_reason: str) -> BaseModel:

@@ -21,7 +21,7 @@ from gateway.events import Event, Finished, SpeculationStats, TextDelta, Usage
 from gateway.policy import SPECULATION_OFF, Decision, Mode
 from gateway.request import GenerationRequest
 from gateway.stop import StopStringMatcher
-from gateway.types import Batch, FinishReason
+from gateway.types import Batch, FinishReason, TokenLogprob
 from tandem.telemetry.metrics import Metrics
 
 # The upstream finishes that end a request normally, as the APIs name them.
@@ -37,6 +37,7 @@ class Output:
         self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_token_ids)
         self._stop = StopStringMatcher(request.stop)
         self._stats = SpeculationStats()
+        self._wants_logprobs = request.top_logprobs is not None
         self.finish_reason: str | None = None
 
     @property
@@ -63,11 +64,13 @@ class Output:
         """Takes a batch token by token until the request finishes; returns one delta per token
         taken (its printable text may be empty), plus one for text flushed at the finish."""
         self._observe_round(batch)
+        logprobs = self._logprobs(batch)
         deltas: list[TextDelta] = []
         finish: str | None = None
-        for token in batch.token_ids:
+        for i, token in enumerate(batch.token_ids):
             self._completion.append(token)
-            deltas.append(TextDelta(self._stop.push(self._detokenizer.push(token)), (token,)))
+            text = self._stop.push(self._detokenizer.push(token))
+            deltas.append(TextDelta(text, (token,), logprobs[i : i + 1]))
             if self._stop.matched is not None:
                 finish = "stop"
                 break
@@ -83,13 +86,26 @@ class Output:
                 if self._stop.matched is not None:
                     finish = "stop"
                 if tail and deltas:
-                    deltas[-1] = TextDelta(deltas[-1].text + tail, deltas[-1].token_ids)
+                    last = deltas[-1]
+                    deltas[-1] = TextDelta(last.text + tail, last.token_ids, last.logprobs)
                 elif tail:
                     deltas.append(TextDelta(tail, ()))
             self.finish_reason = finish
         if batch.mode is not None and deltas:
             self._stats.modes_used.add(batch.mode)
         return deltas
+
+    def _logprobs(self, batch: Batch) -> tuple[TokenLogprob, ...]:
+        """The batch's log-probabilities, one per token, when the request asked for them."""
+        if not self._wants_logprobs:
+            return ()
+        if len(batch.logprobs) != len(batch.token_ids):
+            raise UpstreamFailure(
+                f"the upstream sent {len(batch.logprobs)} log-probabilities with {len(batch.token_ids)} tokens "
+                "(a target older than this gateway sends none)",
+                code="upstream_error",
+            )
+        return tuple(batch.logprobs)
 
     def _observe_round(self, batch: Batch) -> None:
         if batch.num_draft_tokens > 0:
@@ -111,10 +127,23 @@ def _client_finish(reason: FinishReason) -> str:
 
 
 async def joined(source: AsyncIterator[list[TextDelta] | Finished]) -> AsyncIterator[Event]:
-    """Unpaced: one delta per upstream batch, as it arrives."""
+    """Unpaced: one delta per upstream batch, as it arrives; one per token where they carry
+    log-probabilities (each token's text offset is then where the text stood before it)."""
     async with aclosing(source) as items:
         async for item in items:
-            if isinstance(item, list):
-                yield TextDelta("".join(d.text for d in item), tuple(t for d in item for t in d.token_ids))
-            else:
+            if not isinstance(item, list):
                 yield item
+            elif any(delta.logprobs for delta in item):
+                for delta in item:
+                    yield delta
+            else:
+                yield merged(item)
+
+
+def merged(deltas: Sequence[TextDelta]) -> TextDelta:
+    """One delta of several consecutive ones."""
+    return TextDelta(
+        "".join(d.text for d in deltas),
+        tuple(t for d in deltas for t in d.token_ids),
+        tuple(lp for d in deltas for lp in d.logprobs),
+    )

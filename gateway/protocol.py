@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.validation import PromptInput, RequestFields
+from tandem.rpc.types import MAX_TOP_LOGPROBS
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -120,8 +121,8 @@ class ChatCompletionRequest(_GenerationBody):
     tool_choice: str | dict | None = None
 
     def to_fields(self) -> RequestFields:
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequest("logprobs are not supported by this server", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequest(
                 f"response_format {self.response_format.type!r} is not supported by this server (no JSON mode or "
@@ -136,6 +137,7 @@ class ChatCompletionRequest(_GenerationBody):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._common_fields(max_tokens)
         fields.messages = [m.to_message() for m in self.messages]
+        fields.top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return fields
 
 
@@ -147,8 +149,10 @@ class CompletionRequest(_GenerationBody):
     best_of: int | None = None
 
     def to_fields(self) -> RequestFields:
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported by this server", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}", param="logprobs"
+            )
         if self.echo:
             raise InvalidRequest("echo is not supported by this server", param="echo")
         if self.suffix:
@@ -157,6 +161,7 @@ class CompletionRequest(_GenerationBody):
             raise InvalidRequest("best_of must be 1", param="best_of")
         fields = self._common_fields(self.max_tokens)
         fields.prompt = self.prompt
+        fields.top_logprobs = self.logprobs
         return fields
 
 
@@ -189,10 +194,31 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -213,7 +239,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -229,7 +255,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

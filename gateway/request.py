@@ -44,3 +44,5 @@ class GenerationRequest:
     num_speculative_tokens: int | None
     # None = the gateway's --stream-smoothing.
     stream_smoothing: Smoothing | None = None
+    # None: no log-probabilities; n: each generated token's and its n most probable alternatives'.
+    top_logprobs: int | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.chat_template import ChatFormat
+from gateway.token_strings import TokenStrings
 from tandem.models import resolve, tokenizer_fingerprint
 
 
@@ -22,11 +23,14 @@ class ServedModel:
     # Token ids the tokenizer can decode: valid ids are 0 <= id < vocab_size. Counted once: a
     # tokenizer's len() walks its added tokens (~0.4-1 ms), and every request's validation asks.
     vocab_size: int = field(init=False)
+    # Tokens as text and bytes, for the log-probabilities a response shows.
+    strings: TokenStrings = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.chat = ChatFormat.for_tokenizer(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
+        self.strings = TokenStrings(self.tokenizer)
 
 
 def config_context_len(spec: str) -> int:

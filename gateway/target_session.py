@@ -83,7 +83,9 @@ class TargetSession:
 
     def params(self) -> SessionParams:
         request = self._request
-        return SessionParams(request.sampling, self.budget, request.ignore_eos, request.stop_token_ids)
+        return SessionParams(
+            request.sampling, self.budget, request.ignore_eos, request.stop_token_ids, request.top_logprobs
+        )
 
     async def open(self) -> Batch:
         """Prefills the prompt on a target of the pool: the request's first token. A target that

@@ -18,6 +18,7 @@ from tandem.rpc.types import (  # noqa: F401 (shared with the draft and the targ
     FinishReason,
     SamplingParams,
     SessionParams,
+    TokenLogprob,
 )
 
 
@@ -41,3 +42,5 @@ class Batch:
     # sessions, whose rows widen the pass): the step that speculation is weighed against.
     step_seconds: float = 0.0
     pass_seconds: float = 0.0
+    # One per token of token_ids when the request asked for log-probabilities, else ().
+    logprobs: Sequence[TokenLogprob] = ()

@@ -16,6 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
+from tandem.rpc.types import MAX_TOP_LOGPROBS
 
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -45,6 +46,8 @@ class RequestFields:
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
     stream_smoothing: str | None = None
+    # None: no log-probabilities; n: each token's and its n most probable alternatives'.
+    top_logprobs: int | None = None
 
 
 class RequestValidator:
@@ -81,7 +84,16 @@ class RequestValidator:
             speculation=speculation,
             num_speculative_tokens=k,
             stream_smoothing=self._smoothing(fields.stream_smoothing),
+            top_logprobs=self._top_logprobs(fields.top_logprobs),
         )
+
+    @staticmethod
+    def _top_logprobs(top: int | None) -> int | None:
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs"
+            )
+        return top
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self._model.name:

@@ -76,13 +76,18 @@ def finish_name(reason: FinishReason) -> str:
 
 def batch_from_prefill(response: target_pb2.PrefillResponse, mode: Mode | None = None) -> Batch:
     """The first token of a target session; ``mode`` None for the request's first token."""
-    return Batch((response.token_id,), finish_from_wire(response.finish_reason), response.committed_len, mode)
+    logprobs = codecs.token_logprobs([response.logprobs]) if response.HasField("logprobs") else ()
+    return Batch(
+        (response.token_id,), finish_from_wire(response.finish_reason), response.committed_len, mode,
+        logprobs=logprobs,
+    )
 
 
 def batch_from_generate(response: target_pb2.TargetServiceGenerateResponse) -> Batch:
     return Batch(
         tuple(response.token_ids), finish_from_wire(response.finish_reason), response.committed_len,
         Mode.AUTOREGRESSIVE, step_seconds=response.step_seconds, pass_seconds=response.pass_seconds,
+        logprobs=codecs.token_logprobs(response.logprobs),
     )
 
 
@@ -97,4 +102,5 @@ def batch_from_speculate(response: draft_pb2.SpeculateResponse) -> Batch:
         num_draft_positions=response.num_draft_positions,
         verify_seconds=response.verify_seconds,
         step_seconds=response.step_seconds,
+        logprobs=codecs.token_logprobs(response.logprobs),
     )

@@ -47,6 +47,7 @@ from target_service.types import (
     GenerateResult,
     PrefillResult,
     TargetLoad,
+    TokenLogprob,
     Verdict,
     VerdictStatus,
 )
@@ -190,11 +191,15 @@ class TargetEngine:
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be positive, got {max_tokens}")
         produced: list[int] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             result = _unwrap(self.run_batch([DecodeStep(session_id, cancelled)])[0])
             produced += result.token_ids
+            logprobs += result.logprobs
             if len(produced) >= max_tokens or result.finish_reason != FinishReason.NONE or not result.token_ids:
-                return GenerateResult(tuple(produced), result.committed_len, result.finish_reason)
+                return GenerateResult(
+                    tuple(produced), result.committed_len, result.finish_reason, logprobs=tuple(logprobs)
+                )
 
     def run_batch(self, calls: Sequence[DraftBlock | DecodeStep | PrefillJob]) -> list[Answer | Exception]:
         """Runs verify blocks, decode steps and prefill chunks of different sessions in one forward pass.

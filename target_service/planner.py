@@ -22,12 +22,14 @@ import torch
 
 from tandem.telemetry.metrics import Metrics
 from target_service import acceptance, kv_cache, tree
+from target_service.logprobs import token_logprobs
 from target_service.types import (
     DraftBlock,
     EngineInfo,
     FinishReason,
     GenerateResult,
     PrefillResult,
+    TokenLogprob,
     Verdict,
     VerdictStatus,
 )
@@ -192,7 +194,8 @@ class Planner:
         committed, reason = self._cut(session, [first])
         self._commit(session, committed, reason)
         hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
-        return PrefillResult(first, session.committed_len, reason, hidden_states)
+        logprobs = _logprobs(session, scores.logits, committed)
+        return PrefillResult(first, session.committed_len, reason, hidden_states, logprobs[0] if logprobs else None)
 
     def _finish_chain(
         self, block: DraftBlock, step: Step, scores: RowScores, hidden: torch.Tensor | None, started: float
@@ -202,7 +205,7 @@ class Planner:
         accepted, next_token = acceptance.accept_chain(
             self.runner.verifier, session, block, drafts, scores, self.info.vocab_size, self.runner.device
         )
-        return self._ok_verdict(block, session, len(drafts), drafts[:accepted], next_token, hidden, started)
+        return self._ok_verdict(block, session, len(drafts), drafts[:accepted], next_token, hidden, scores, started)
 
     def _finish_tree(
         self, block: DraftBlock, planned: Planned, scores: RowScores, hidden: torch.Tensor | None, started: float
@@ -214,8 +217,13 @@ class Planner:
             self.runner.verifier, session, drafts, planned.parents, scores, self.info.vocab_size, self.runner.device
         )
         tree.keep_path(session.cache, session.committed_len - 1, path)
-        path_rows = None if hidden is None else hidden[[0, *(i + 1 for i in path)]]  # [1 + len(path), hidden]
-        return self._ok_verdict(block, session, len(drafts), [drafts[i] for i in path], next_token, path_rows, started)
+        rows = [0, *(i + 1 for i in path)]  # the root's and the accepted path's rows
+        path_rows = None if hidden is None else hidden[rows]  # [1 + len(path), hidden]
+        # [1 + len(path), vocab] where the session has logits
+        path_scores = scores if scores.logits is None else RowScores(logits=scores.logits[rows])
+        return self._ok_verdict(
+            block, session, len(drafts), [drafts[i] for i in path], next_token, path_rows, path_scores, started
+        )
 
     def _finish_decode(self, call: DecodeStep, session: Session, scores: RowScores) -> GenerateResult:
         """The step's token, committed unless its caller went away during the pass."""
@@ -225,7 +233,8 @@ class Planner:
             return GenerateResult((), session.committed_len, session.finish_reason)
         committed, reason = self._cut(session, [token])
         self._commit(session, committed, reason)
-        return GenerateResult(tuple(committed), session.committed_len, session.finish_reason)
+        logprobs = _logprobs(session, scores.logits, committed)
+        return GenerateResult(tuple(committed), session.committed_len, session.finish_reason, logprobs=logprobs)
 
     # ----------------------------------------------------------------------------- committing
 
@@ -237,10 +246,12 @@ class Planner:
         accepted: list[int],
         next_token: int,
         hidden: torch.Tensor | None,
+        scores: RowScores,
         started: float,
     ) -> Verdict:
         """Commits a verified block's accepted drafts and next token (cut at a stop or the budget)
-        and answers it; ``hidden`` [>= committed, hidden_size]: row j produced the j-th of them."""
+        and answers it; ``hidden`` [>= committed, hidden_size] and ``scores`` (logits [>= committed,
+        vocab] where the session has them): row j produced the j-th of them."""
         committed, reason = self._cut(session, [*accepted, next_token])
         self._commit(session, committed, reason)
         elapsed = time.perf_counter() - started
@@ -256,6 +267,7 @@ class Planner:
             finish_reason=reason,
             hidden_states=None if hidden is None else hidden[: len(committed)],
             verify_seconds=elapsed,
+            logprobs=_logprobs(session, scores.logits, committed),
         )
 
     def _cut(self, session: Session, new_tokens: list[int]) -> tuple[list[int], int]:
@@ -274,6 +286,17 @@ class Planner:
             self.store.finish(session, reason)
         else:
             kv_cache.truncate(session.cache, session.committed_len - 1)
+
+
+def _logprobs(session: Session, logits: torch.Tensor | None, committed: Sequence[int]) -> tuple[TokenLogprob, ...]:
+    """The committed tokens' log-probabilities when the session asked for them (row i of ``logits``
+    [>= committed, vocab] scored the i-th); () otherwise."""
+    top = session.config.top_logprobs
+    if top is None:
+        return ()
+    if logits is None:  # a runner that scored the rows without logits: a bug, not the caller's fault
+        raise RuntimeError(f"session {session.session_id!r} asked for log-probabilities but its rows have no logits")
+    return token_logprobs(logits, committed, top)
 
 
 def _extends(committed: list[int], base_len: int, assumed: Sequence[int]) -> bool:

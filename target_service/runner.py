@@ -111,8 +111,13 @@ class ModelRunner:
         )
 
     def screens(self, session: Session) -> bool:
-        """Whether the session's tokens come from the screened head: greedy, and the runner has one."""
-        return self.greedy_head is not None and bool(is_greedy(session.sampling.temperature)[0])
+        """Whether the session's tokens come from the screened head: greedy, the runner has one, and
+        the session wants no log-probabilities (the screen yields each row's argmax, no logits)."""
+        return (
+            self.greedy_head is not None
+            and session.config.top_logprobs is None
+            and bool(is_greedy(session.sampling.temperature)[0])
+        )
 
     @torch.inference_mode()
     def forward(
@@ -255,6 +260,7 @@ class ModelRunner:
             and logits.dim() == 2
             and logits.shape[1] > 0
             and logits.stride(1) == 1
+            and step.session.config.top_logprobs is None  # its logits are kept for them
             and bool(is_greedy(step.session.sampling.temperature)[0])
         )
 

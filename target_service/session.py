@@ -35,6 +35,7 @@ class SessionConfig:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     return_hidden_states: bool = False
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n most probable
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -48,6 +49,7 @@ class SessionConfig:
             ignore_eos=params.ignore_eos,
             stop_token_ids=params.stop_token_ids,
             return_hidden_states=return_hidden_states,
+            top_logprobs=params.top_logprobs,
         )
 
 

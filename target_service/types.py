@@ -16,6 +16,7 @@ from tandem.rpc.types import (  # noqa: F401 (re-exported for the target's modul
     FinishReason,
     SessionParams,
     SparseDist,
+    TokenLogprob,
     Verdict,
     VerdictStatus,
 )
@@ -55,6 +56,7 @@ class PrefillResult:
     committed_len: int
     finish_reason: FinishReason
     hidden_states: torch.Tensor | None = None  # [prompt_len, hidden_size] when asked for
+    logprobs: TokenLogprob | None = None  # the first token's, when the session asked for them
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,4 @@ class GenerateResult:
     # included, and a pass of one row per session, estimated (TargetEngine.step_seconds).
     pass_seconds: float = field(default=0.0, compare=False)
     step_seconds: float = field(default=0.0, compare=False)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the session asked for them

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tandem.rpc.types import MAX_TOP_LOGPROBS
 from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
@@ -44,6 +45,8 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
     if config.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {config.top_k}")
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
+    if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")
 
 
 def check_prefill(

@@ -23,6 +23,7 @@ def prefill_response(result: PrefillResult) -> target_pb2.PrefillResponse:
         committed_len=result.committed_len,
         finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
         hidden_states=codecs.hidden_states_to_wire(result.hidden_states),
+        logprobs=codecs.token_logprobs_to_wire([result.logprobs])[0] if result.logprobs else None,
     )
 
 
@@ -37,6 +38,7 @@ def generate_response(result: GenerateResult) -> target_pb2.TargetServiceGenerat
         finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
         pass_seconds=result.pass_seconds,
         step_seconds=result.step_seconds,
+        logprobs=codecs.token_logprobs_to_wire(result.logprobs),
     )
 
 

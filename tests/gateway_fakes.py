@@ -108,6 +108,26 @@ class ScriptedModel:
                 session.finish = common_pb2.FINISH_REASON_LENGTH
         return new, session
 
+    def logprobs(self, session: FakeSession, tokens: list[int]) -> list[common_pb2.TokenLogprobs]:
+        """Made-up log-probabilities of the session's last ``tokens`` when it asked for them: the
+        token's value is -0.25 times its position modulo 4, its alternatives the next ids, each 1 less."""
+        if not session.params.HasField("top_logprobs"):
+            return []
+        found = []
+        for position in range(len(session.generated) - len(tokens), len(session.generated)):
+            token, value = session.generated[position], -0.25 * (position % 4)
+            top = [(token + i) % self.vocab_size for i in range(session.params.top_logprobs)]
+            found.append(common_pb2.TokenLogprobs(logprob=value, top_token_ids=top,
+                                                  top_logprobs=[value - i for i in range(len(top))]))
+        return found
+
+    def prefill_response(self, session: FakeSession) -> target_pb2.PrefillResponse:
+        logprobs = self.logprobs(session, session.generated[:1])
+        return target_pb2.PrefillResponse(
+            token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish,
+            logprobs=logprobs[0] if logprobs else None,
+        )
+
     def release(self, session_id: str) -> bool:
         self.rpcs.append(("Release", session_id))
         self.released.append(session_id)
@@ -125,7 +145,8 @@ class ScriptedModel:
             tokens, session = self.commit(session_id, 1)
             sent += len(tokens)
             yield target_pb2.TargetServiceGenerateResponse(
-                token_ids=tokens, committed_len=session.committed_len, finish_reason=session.finish
+                token_ids=tokens, committed_len=session.committed_len, finish_reason=session.finish,
+                logprobs=self.logprobs(session, tokens),
             )
             if session.finish:
                 return
@@ -147,6 +168,7 @@ class ScriptedModel:
                 finish_reason=session.finish,
                 num_draft_tokens=k,
                 num_accepted=min(accepted, len(tokens)),
+                logprobs=self.logprobs(session, tokens),
             )
             if session.finish:
                 return
@@ -179,9 +201,7 @@ class FakeTargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.model.cancelled_prefills.append(request.session_id)
                 raise
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)
-        return target_pb2.PrefillResponse(
-            token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish
-        )
+        return self.model.prefill_response(session)
 
     async def Generate(self, request, context):
         async for response in self.model.generate_stream(request.session_id, request.max_new_tokens):
@@ -260,9 +280,7 @@ class InMemoryTarget:
 
     async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)
-        return target_pb2.PrefillResponse(
-            token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish
-        )
+        return self.model.prefill_response(session)
 
     def generate(self, request: target_pb2.TargetServiceGenerateRequest) -> InMemoryStream:
         self.streams.append(InMemoryStream(self.model.generate_stream(request.session_id, request.max_new_tokens)))

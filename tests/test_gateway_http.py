@@ -187,7 +187,8 @@ BAD_HTTP = [
     ("num_speculative_tokens 65", {"prompt": "hi", "num_speculative_tokens": 65}, "num_speculative_tokens"),
     ("top_k -1", {"prompt": "hi", "top_k": -1}, "top_k"),
     ("ignore_eos not a bool", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
-    ("logprobs unsupported", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("logprobs 21", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("logprobs -1", {"prompt": "hi", "logprobs": -1}, "logprobs"),
     ("logit_bias unsupported", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("logit_bias wrong type", {"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
 ]
@@ -203,6 +204,10 @@ BAD_CHAT = [
     ("structured output unsupported", {"messages": [{"role": "user", "content": "hi"}],
                                        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("top_logprobs 21", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("tool calling unsupported", {"messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ]

@@ -95,6 +95,28 @@ def test_openai_sdk_stream_and_non_stream(stack, reference) -> None:
     assert any(p.choices and p.choices[0].finish_reason for p in pieces)
 
 
+def test_logprobs_are_the_targets_whether_speculating_or_not(stack, reference, tiny_dir) -> None:
+    """The OpenAI SDK's completions ``logprobs``: through draft and target (``on``) and the target's
+    Generate (``off``), each token's value is the target model's own log-softmax at its position."""
+    tokenizer, greedy = reference
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    prompt_ids = tokenizer(PROMPTS[1]).input_ids
+    expected = greedy(prompt_ids, 20)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + expected])).logits[0, len(prompt_ids) - 1 : -1]  # [20, vocab]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for speculation in ("on", "off"):
+        done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt_ids, max_tokens=20,
+                                         temperature=0, logprobs=2, extra_body={"speculation": speculation})
+        logprobs = done.choices[0].logprobs
+        assert done.usage.model_extra["speculative_decoding"]["mode"] == ("speculative" if speculation == "on"
+                                                                          else "autoregressive")
+        assert logprobs.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(expected)], abs=1e-4)
+        assert [sorted(top.values(), reverse=True)[0] for top in logprobs.top_logprobs] == pytest.approx(
+            want.max(dim=-1).values.tolist(), abs=1e-4)
+
+
 def test_health_and_reflection_on_all_three(stack) -> None:
     for port, service in ((stack.target_port, "tandem.v1.TargetService"), (stack.draft_port, "tandem.v1.DraftService"),
                           (stack.grpc_port, "tandem.v1.GatewayService")):

@@ -8,6 +8,7 @@ and the hidden states' byte layout are written down once.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from tandem.rpc.types import (
     SamplingParams,
     SessionParams,
     SparseDist,
+    TokenLogprob,
     Verdict,
     VerdictStatus,
 )
@@ -82,6 +84,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         max_new_tokens=message.max_new_tokens,
         ignore_eos=message.ignore_eos,
         stop_token_ids=tuple(message.stop_token_ids),
+        top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None,
     )
 
 
@@ -91,7 +94,28 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         max_new_tokens=params.max_new_tokens,
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
+        top_logprobs=params.top_logprobs,
     )
+
+
+def token_logprobs(messages: Iterable[common_pb2.TokenLogprobs]) -> tuple[TokenLogprob, ...]:
+    """Log-probabilities as sent; a message whose alternatives and their values differ in number
+    cannot be read as one."""
+    found = []
+    for m in messages:
+        if len(m.top_token_ids) != len(m.top_logprobs):
+            raise WireError(
+                f"token log-probabilities name {len(m.top_token_ids)} alternatives with {len(m.top_logprobs)} values"
+            )
+        found.append(TokenLogprob(m.logprob, tuple(m.top_token_ids), tuple(m.top_logprobs)))
+    return tuple(found)
+
+
+def token_logprobs_to_wire(logprobs: Iterable[TokenLogprob]) -> list[common_pb2.TokenLogprobs]:
+    return [
+        common_pb2.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+        for lp in logprobs
+    ]
 
 
 def sparse_dists(messages: list[common_pb2.SparseDistribution]) -> tuple[SparseDist, ...]:
@@ -173,6 +197,7 @@ def verdict(response: target_pb2.VerifyResponse) -> Verdict:
         pass_rows=response.pass_rows,
         pass_tokens=response.pass_tokens,
         step_seconds=response.step_seconds,
+        logprobs=token_logprobs(response.logprobs),
     )
 
 
@@ -189,4 +214,5 @@ def verdict_to_wire(verdict: Verdict) -> target_pb2.VerifyResponse:
         pass_rows=verdict.pass_rows,
         pass_tokens=verdict.pass_tokens,
         step_seconds=verdict.step_seconds,
+        logprobs=token_logprobs_to_wire(verdict.logprobs),
     )

@@ -62,6 +62,28 @@ class SessionParams:
     max_new_tokens: int
     ignore_eos: bool = False  # do not stop on the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()  # further tokens that end the session (included)
+    # Report each committed token's log-probability and those of the top_logprobs most probable
+    # tokens at its position (0..MAX_TOP_LOGPROBS); None: no log-probabilities.
+    top_logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probabilities at one committed token's position: of the token itself and of
+    the most probable tokens there, most probable first (``top_token_ids[i]`` has ``top_logprobs[i]``).
+
+    From the model's own distribution (the log-softmax of its logits, before temperature, top-k or
+    top-p): what the target computes whichever way the token was reached, so a speculative and an
+    autoregressive session report the same values for the same tokens (up to float rounding
+    between passes of different widths).
+    """
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,3 +139,5 @@ class Verdict:
     # What a pass of one row per session would cost, estimated by the target from its measured
     # passes (0: not reported): the step a session would take decoding autoregressively now.
     step_seconds: float = 0.0
+    # One per committed token when the session asked for them (SessionParams.top_logprobs), else ().
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -48,7 +48,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., target_address: _Optional[str] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("token_ids", "committed_len", "finish_reason", "num_draft_tokens", "num_accepted", "round_seconds", "verify_seconds", "num_draft_positions", "step_seconds")
+    __slots__ = ("token_ids", "committed_len", "finish_reason", "num_draft_tokens", "num_accepted", "round_seconds", "verify_seconds", "num_draft_positions", "step_seconds", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class SpeculateResponse(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
     finish_reason: _common_pb2.FinishReason
@@ -67,4 +68,5 @@ class SpeculateResponse(_message.Message):
     verify_seconds: float
     num_draft_positions: int
     step_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., round_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., num_draft_positions: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., round_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., num_draft_positions: _Optional[int] = ..., step_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

@@ -68,16 +68,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states")
+    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states", "logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     committed_len: int
     finish_reason: _common_pb2.FinishReason
     hidden_states: _common_pb2.HiddenStates
-    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "assumed_token_ids", "draft_token_ids", "draft_probs", "block_id", "tokenizer_fingerprint", "return_hidden_states", "draft_parents")
@@ -102,7 +104,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., block_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("block_id", "status", "num_accepted", "committed_token_ids", "committed_len", "finish_reason", "hidden_states", "verify_seconds", "pass_rows", "pass_tokens", "step_seconds")
+    __slots__ = ("block_id", "status", "num_accepted", "committed_token_ids", "committed_len", "finish_reason", "hidden_states", "verify_seconds", "pass_rows", "pass_tokens", "step_seconds", "logprobs")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,7 @@ class VerifyResponse(_message.Message):
     PASS_ROWS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     status: VerdictStatus
     num_accepted: int
@@ -125,7 +128,8 @@ class VerifyResponse(_message.Message):
     pass_rows: int
     pass_tokens: int
     step_seconds: float
-    def __init__(self, block_id: _Optional[int] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., pass_rows: _Optional[int] = ..., pass_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, block_id: _Optional[int] = ..., status: _Optional[_Union[VerdictStatus, str]] = ..., num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., pass_rows: _Optional[int] = ..., pass_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TargetServiceGenerateRequest(_message.Message):
     __slots__ = ("session_id", "max_new_tokens")
@@ -136,18 +140,20 @@ class TargetServiceGenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetServiceGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "committed_len", "finish_reason", "pass_seconds", "step_seconds")
+    __slots__ = ("token_ids", "committed_len", "finish_reason", "pass_seconds", "step_seconds", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
     finish_reason: _common_pb2.FinishReason
     pass_seconds: float
     step_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., pass_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., pass_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
