@@ -65,6 +65,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     speculative_decoding: SpeculationStats
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the target did not prefill (its prefix cache)
 
     @property
     def total_tokens(self) -> int:

@@ -77,6 +77,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
 def usage_to_proto(usage: Usage) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(
         prompt_tokens=usage.prompt_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         speculative_decoding=gateway_pb2.SpeculativeDecodingStats(

@@ -37,6 +37,7 @@ from gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     SpeculativeDecodingUsage,
     UsageInfo,
 )
@@ -69,6 +70,7 @@ def usage_info(usage: Usage) -> UsageInfo:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
         speculative_decoding=SpeculativeDecodingUsage(**usage.speculative_decoding.to_json()),
     )
 

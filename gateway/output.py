@@ -38,6 +38,7 @@ class Output:
         self._stop = StopStringMatcher(request.stop)
         self._stats = SpeculationStats()
         self._wants_logprobs = request.top_logprobs is not None
+        self._cached_prompt_tokens = 0
         self.finish_reason: str | None = None
 
     @property
@@ -47,7 +48,7 @@ class Output:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self._prompt_len, len(self._completion), self._stats)
+        return Usage(self._prompt_len, len(self._completion), self._stats, self._cached_prompt_tokens)
 
     def expected_len(self, new_tokens: int) -> int:
         """The committed length of a session in step with the client after ``new_tokens`` more."""
@@ -64,6 +65,8 @@ class Output:
         """Takes a batch token by token until the request finishes; returns one delta per token
         taken (its printable text may be empty), plus one for text flushed at the finish."""
         self._observe_round(batch)
+        if batch.mode is None:  # the request's own Prefill (a later one re-prefills generated tokens too)
+            self._cached_prompt_tokens = min(batch.cached_tokens, self._prompt_len)
         logprobs = self._logprobs(batch)
         deltas: list[TextDelta] = []
         finish: str | None = None

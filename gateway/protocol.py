@@ -179,10 +179,16 @@ class SpeculativeDecodingUsage(BaseModel):
     empty_rounds: int = 0  # verified blocks that carried no drafts (not counted in rounds)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's: of prompt_tokens, those served from the target's prefix cache.
+    prompt_tokens_details: PromptTokensDetails
     speculative_decoding: SpeculativeDecodingUsage
 
 

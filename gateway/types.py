@@ -44,3 +44,5 @@ class Batch:
     pass_seconds: float = 0.0
     # One per token of token_ids when the request asked for log-probabilities, else ().
     logprobs: Sequence[TokenLogprob] = ()
+    # A Prefill's: prompt tokens whose KV cache the target copied instead of prefilling them.
+    cached_tokens: int = 0

@@ -79,7 +79,7 @@ def batch_from_prefill(response: target_pb2.PrefillResponse, mode: Mode | None =
     logprobs = codecs.token_logprobs([response.logprobs]) if response.HasField("logprobs") else ()
     return Batch(
         (response.token_id,), finish_from_wire(response.finish_reason), response.committed_len, mode,
-        logprobs=logprobs,
+        logprobs=logprobs, cached_tokens=response.cached_tokens,
     )
 
 

@@ -140,6 +140,11 @@ class TargetSettings(_Base):
         description="greedy tokens from a bfloat16 copy of the LM head, the few that can win rescored exactly (CPU, "
         "float32 heads of 64 MB or more; the same tokens, half the head's reads; --no-screened-head: the float32 head)",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="keep ended sessions' KV caches in the budget's free room, so a prompt that starts the same way "
+        "(the next turn of a chat) prefills only the rest (--no-prefix-cache: prefill every prompt whole)",
+    )
 
 
 class DraftSettings(_Base):

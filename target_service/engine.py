@@ -39,6 +39,7 @@ from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
+from target_service.prefix_cache import BUDGET_SHARE, DEFAULT_POSITIONS, PrefixCache
 from target_service.runner import ModelRunner
 from target_service.session import SamplingTensors, Session, SessionConfig, SessionStore, kv_tokens, make_generator
 from target_service.types import (
@@ -74,10 +75,13 @@ class TargetEngine:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         screened_head: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """``kv_cache_bytes``: the memory the sessions' caches may reserve (0 = no budget).
         ``screened_head``: greedy sessions take their tokens from a bfloat16 screen of the LM head
-        rescored exactly (``tandem.cpu.screened_head``) where the model and device allow it."""
+        rescored exactly (``tandem.cpu.screened_head``) where the model and device allow it.
+        ``prefix_cache``: a prompt that starts as an ended session's tokens did prefills only the
+        rest (``target_service.prefix_cache``)."""
         if prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -106,7 +110,12 @@ class TargetEngine:
                 per_position // 1024,
             )
         self.store = SessionStore(
-            session_ttl_s, max_sessions, clock, on_live_change=self._report_live, kv_budget_tokens=budget_tokens
+            session_ttl_s,
+            max_sessions,
+            clock,
+            on_live_change=self._report_live,
+            kv_budget_tokens=budget_tokens,
+            prefix_cache=PrefixCache(budget_tokens // BUDGET_SHARE or DEFAULT_POSITIONS) if prefix_cache else None,
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
         self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
@@ -130,6 +139,7 @@ class TargetEngine:
             max_batched_tokens=settings.max_batched_tokens,
             metrics=metrics,
             screened_head=settings.screened_head,
+            prefix_cache=settings.prefix_cache,
         )
 
     # ----------------------------------------------------------------------------- requests
@@ -159,16 +169,25 @@ class TargetEngine:
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
         self.store.check_can_add(session_id, kv_tokens(len(prompt_token_ids), config))
+        # A prompt that begins as an ended session's tokens did starts from a copy of their cache;
+        # not where every prompt position's hidden state is asked for (they are not kept).
+        found = None
+        if self.store.prefix_cache is not None and not config.return_hidden_states:
+            found = self.store.prefix_cache.lookup(prompt_token_ids)
+        cache, cached = found if found is not None else (kv_cache.new_cache(), 0)
+        if self.metrics is not None:
+            self.metrics.prefix_cache_tokens.labels(outcome="hit").inc(cached)
+            self.metrics.prefix_cache_tokens.labels(outcome="prefilled").inc(len(prompt_token_ids) - cached)
         session = Session(
             session_id=session_id,
             config=config,
             prompt_len=len(prompt_token_ids),
             tokens=list(prompt_token_ids),
-            cache=kv_cache.new_cache(),
+            cache=cache,
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
         )
-        return PrefillJob(session, self.prefill_chunk_tokens)
+        return PrefillJob(session, self.prefill_chunk_tokens, done=cached, cached=cached)
 
     def prefill_chunk(self, job: PrefillJob) -> PrefillResult | None:
         """Runs the job's next chunk; after the last one the session joins the store (checked again:
@@ -299,7 +318,9 @@ class TargetEngine:
     # ----------------------------------------------------------------------------- internals
 
     def _drop(self, session: Session) -> None:
-        """Frees a session whose cache a failed pass may have half-written: it cannot go on correctly."""
+        """Frees a session whose cache a failed pass may have half-written: it cannot go on correctly
+        (and its cache is not kept for later prompts)."""
+        session.cache = None
         self.store.release(session.session_id)
 
     def _report_live(self, live: int) -> None:

@@ -131,3 +131,22 @@ def free_memory_bytes(device: str) -> int:
     except (OSError, ValueError):
         return free
     return free if limit == "max" else min(free, max(0, int(limit) - used))
+
+
+def copy_prefix(cache: DynamicCache, length: int) -> DynamicCache:
+    """A new cache holding a copy of the first ``length`` positions of ``cache`` (which is left as it is)."""
+    held = cache_length(cache)
+    if not 0 <= length <= held:
+        raise ValueError(f"cannot copy {length} positions of a KV cache of {held}")
+    copy = new_cache()
+    if length:
+        for index, layer in enumerate(cache.layers):
+            copy.update(layer.keys[..., :length, :], layer.values[..., :length, :], index)
+    return copy
+
+
+def capacity(cache: DynamicCache) -> int:
+    """Positions the cache's buffers have room for (what it takes of memory, in positions)."""
+    layer = cache.layers[0] if cache.layers else None
+    buffer = getattr(layer, "_key_buffer", None)
+    return cache_length(cache) if buffer is None else int(buffer.shape[-2])

@@ -46,6 +46,7 @@ class PrefillJob:
     session: Session
     chunk_tokens: int  # prompt tokens per pass (0 = the whole prompt)
     done: int = 0  # prompt tokens already in the session's cache
+    cached: int = 0  # of them, those copied from the prefix cache (not prefilled)
     hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden_size] each, when asked for
 
     @property
@@ -195,7 +196,9 @@ class Planner:
         self._commit(session, committed, reason)
         hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
         logprobs = _logprobs(session, scores.logits, committed)
-        return PrefillResult(first, session.committed_len, reason, hidden_states, logprobs[0] if logprobs else None)
+        return PrefillResult(
+            first, session.committed_len, reason, hidden_states, logprobs[0] if logprobs else None, job.cached
+        )
 
     def _finish_chain(
         self, block: DraftBlock, step: Step, scores: RowScores, hidden: torch.Tensor | None, started: float

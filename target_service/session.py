@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from target_service.types import FinishReason, SessionParams
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
+from target_service.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ class SessionStore:
 
     ``on_live_change(n)`` is called with the number of live (unfinished) sessions whenever it
     changes; the engine feeds it to the ``tandem_sessions_active`` gauge.
+
+    With a ``prefix_cache``, a session's cache goes there when the session finishes or goes, and
+    the kept caches take only the budget's room that live sessions do not reserve: a new session
+    that needs it evicts them.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         on_live_change: Callable[[int], None] = lambda live: None,
         kv_budget_tokens: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_live = max_live
@@ -145,6 +151,7 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._live = 0
         self._reserved = 0  # KV positions reserved by live sessions
+        self.prefix_cache = prefix_cache
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -171,6 +178,8 @@ class SessionStore:
                 f"the prompt and max_new_tokens need up to {positions} positions of KV cache, more than the target's "
                 f"whole budget of {budget}; ask for fewer tokens"
             )
+        if budget and self.prefix_cache is not None:
+            self.prefix_cache.shrink_to(budget - self._reserved - positions)
         if budget and self._reserved + positions > budget:
             raise TooManySessions(
                 f"the target's KV cache budget is taken: {self._reserved} of {budget} positions are reserved by "
@@ -201,8 +210,8 @@ class SessionStore:
         if session.finished:
             return
         session.finish_reason = reason
-        session.cache = None
         self._reserved -= kv_tokens(session.prompt_len, session.config)
+        self._let_go(session)
         self._set_live(self._live - 1)
 
     def release(self, session_id: str) -> bool:
@@ -229,6 +238,13 @@ class SessionStore:
         if not session.finished:
             self._reserved -= kv_tokens(session.prompt_len, session.config)
             self._set_live(self._live - 1)
+        self._let_go(session)
+
+    def _let_go(self, session: Session) -> None:
+        """Frees the session's cache, into the prefix cache when there is one."""
+        if self.prefix_cache is not None and session.cache is not None:
+            room = self.kv_budget_tokens - self._reserved if self.kv_budget_tokens else None
+            self.prefix_cache.keep(session.tokens, session.cache, room)
         session.cache = None
 
     def _set_live(self, live: int) -> None:

@@ -57,6 +57,7 @@ class PrefillResult:
     finish_reason: FinishReason
     hidden_states: torch.Tensor | None = None  # [prompt_len, hidden_size] when asked for
     logprobs: TokenLogprob | None = None  # the first token's, when the session asked for them
+    cached_tokens: int = 0  # prompt tokens whose cache came from the prefix cache, not a prefill
 
 
 @dataclass(frozen=True)

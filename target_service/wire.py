@@ -24,6 +24,7 @@ def prefill_response(result: PrefillResult) -> target_pb2.PrefillResponse:
         finish_reason=codecs.finish_reason_to_wire(result.finish_reason),
         hidden_states=codecs.hidden_states_to_wire(result.hidden_states),
         logprobs=codecs.token_logprobs_to_wire([result.logprobs])[0] if result.logprobs else None,
+        cached_tokens=result.cached_tokens,
     )
 
 

@@ -65,6 +65,7 @@ class ScriptedModel:
         self.speculate_requests: list[draft_pb2.SpeculateRequest] = []
         self.cancelled_speculations: list[str] = []
         self.prefill_delay = 0.0  # seconds each Prefill takes (a long prompt)
+        self.cached_tokens = 0  # prompt tokens each Prefill says came from its prefix cache (at most all but one)
         self.cancelled_prefills: list[str] = []
 
     def expected_tokens(self, n: int, ignore_eos: bool = False) -> list[int]:
@@ -125,7 +126,7 @@ class ScriptedModel:
         logprobs = self.logprobs(session, session.generated[:1])
         return target_pb2.PrefillResponse(
             token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish,
-            logprobs=logprobs[0] if logprobs else None,
+            logprobs=logprobs[0] if logprobs else None, cached_tokens=min(self.cached_tokens, len(session.prompt) - 1),
         )
 
     def release(self, session_id: str) -> bool:

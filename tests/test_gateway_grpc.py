@@ -43,8 +43,12 @@ async def test_generate_streams_text_tokens_and_final_usage(stack, channel):
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP
     assert last.usage.completion_tokens == len(stack.model.expected_tokens(1000))
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    assert last.usage.cached_prompt_tokens == 0
     spec = last.usage.speculative_decoding
     assert spec.mode == "speculative" and spec.rounds > 0 and spec.draft_tokens == 4 * spec.rounds
+    stack.model.cached_tokens = 2
+    *_, last = await generate(channel, Request(prompt="Once upon", max_tokens=3, temperature=0))
+    assert last.usage.cached_prompt_tokens == 2
     await stack.wait_until_idle()
 
 

@@ -89,8 +89,20 @@ async def test_chat_completion_with_the_openai_sdk(stack, tokenizer, sdk):
     assert list(stack.model.speculate_requests[0].token_ids[: len(expected_prompt)]) == expected_prompt
     assert usage.completion_tokens == len(stack.model.expected_tokens(1000))
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
     spec = usage.speculative_decoding
     assert SPEC_KEYS <= set(spec) and spec["mode"] == "speculative" and spec["rounds"] > 0
+    await stack.wait_until_idle()
+
+
+async def test_the_targets_cached_prompt_tokens_show_in_the_usage(stack, sdk):
+    """OpenAI's prompt_tokens_details.cached_tokens: what the target did not prefill (its prefix cache)."""
+    stack.model.cached_tokens = 5
+    for stream in (False, True):
+        response = await sdk.completions.create(model=model_name(stack), prompt="Once upon a time", max_tokens=4,
+                                                stream=stream, stream_options={"include_usage": True} if stream else None)
+        usage = [c.usage async for c in response if c.usage][-1] if stream else response.usage
+        assert usage.prompt_tokens_details.cached_tokens == 5
     await stack.wait_until_idle()
 
 

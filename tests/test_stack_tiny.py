@@ -117,6 +117,26 @@ def test_logprobs_are_the_targets_whether_speculating_or_not(stack, reference, t
             want.max(dim=-1).values.tolist(), abs=1e-4)
 
 
+def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
+    """A conversation's second request starts with the first's prompt and answer: the target copies
+    their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""
+    tokenizer, greedy = reference
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    first_prompt = tokenizer(PROMPTS[2] * 3).input_ids
+    first = client.completions.create(model=model, prompt=first_prompt, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    answer = greedy(first_prompt, 16)
+    second_prompt = first_prompt + answer + tokenizer(" and then").input_ids[1:]
+    second = client.completions.create(model=model, prompt=second_prompt, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert first.choices[0].text == tokenizer.decode(answer, skip_special_tokens=True)
+    assert second.choices[0].text == tokenizer.decode(greedy(second_prompt, 16), skip_special_tokens=True)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(first_prompt) + 16 - 1
+    metrics = httpx.get(f"http://127.0.0.1:{stack.target_metrics_port}/metrics").text
+    assert metric_value(metrics, "tandem_target_prompt_tokens_total", outcome="hit") >= len(first_prompt) + 15
+
+
 def test_health_and_reflection_on_all_three(stack) -> None:
     for port, service in ((stack.target_port, "tandem.v1.TargetService"), (stack.draft_port, "tandem.v1.DraftService"),
                           (stack.grpc_port, "tandem.v1.GatewayService")):

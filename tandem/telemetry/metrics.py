@@ -28,6 +28,7 @@ class Metrics:
     round_phase: Histogram
     pipelined_blocks: Counter
     pass_sessions: Histogram
+    prefix_cache_tokens: Counter
     time_to_first_token: Histogram
     inter_token_latency: Histogram
     e2e_request_latency: Histogram
@@ -114,6 +115,12 @@ def make_metrics(service: str, registry: CollectorRegistry | None = None) -> Met
             "tandem_target_pass_sessions",
             "Sessions whose verify blocks or decode steps shared one target forward pass",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=reg,
+        ),
+        prefix_cache_tokens=Counter(
+            "tandem_target_prompt_tokens",
+            "Prompt tokens a target took: their KV cache copied from an ended session's (hit) or prefilled",
+            ["outcome"],
             registry=reg,
         ),
         time_to_first_token=Histogram(

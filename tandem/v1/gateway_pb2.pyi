@@ -80,16 +80,18 @@ class SpeculativeDecodingStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mode: _Optional[str] = ..., fallbacks: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., empty_rounds: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "speculative_decoding")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "speculative_decoding", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     speculative_decoding: SpeculativeDecodingStats
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingStats, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., speculative_decoding: _Optional[_Union[SpeculativeDecodingStats, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayServiceGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs")

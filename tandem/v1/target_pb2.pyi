@@ -68,18 +68,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states", "logprobs")
+    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states", "logprobs", "cached_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     committed_len: int
     finish_reason: _common_pb2.FinishReason
     hidden_states: _common_pb2.HiddenStates
     logprobs: _common_pb2.TokenLogprobs
-    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "assumed_token_ids", "draft_token_ids", "draft_probs", "block_id", "tokenizer_fingerprint", "return_hidden_states", "draft_parents")
