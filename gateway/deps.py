@@ -17,6 +17,7 @@ from gateway.adaptive import AdaptiveConfig
 from gateway.step_time import StepTimer
 from gateway.counters import SessionCounters
 from gateway.draft_speeds import DraftSpeeds
+from gateway.prefix_affinity import PrefixAffinity
 from gateway.pacer import PacerConfig
 from gateway.policy import SpeculationPolicy
 from gateway.pool import Pool
@@ -90,6 +91,8 @@ class GenerationDeps:
     step_timer: StepTimer = field(default_factory=StepTimer)
     # What each draft's legs committed per second, by target: where the next leg goes.
     draft_speeds: DraftSpeeds = field(default_factory=DraftSpeeds)
+    # Which target holds the beginning of which prompts: where a new session goes.
+    prefix_affinity: PrefixAffinity = field(default_factory=PrefixAffinity)
     # Sessions in progress, Prefill calls in flight, the last draft message: what every
     # generation reports (built from ``metrics``, whose session gauges it keeps).
     counters: SessionCounters = field(init=False)

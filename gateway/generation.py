@@ -172,7 +172,7 @@ class Generation:
             return
         self._closed = True
         self._legs.cancel()
-        release = self._session.release_later()
+        release = self._session.release_later(self._output.completion)
         if self._controller is not None and not self._failed:
             self._controller.finish()  # what speculation gave this session, for the temperature prior
         if self._mode is not None:

@@ -1,8 +1,10 @@
 """The target session behind one request: its target, id, token budget, prefill, moves and release.
 
 A request starts with one target session (``Prefill`` of the prompt on the least-loaded target of
-the pool, which also gives the first token) and ends by releasing it. Two things move it to a fresh
-session, prefilled with the prompt plus exactly the tokens the client has received:
+the pool, or on one not much busier that holds the prompt's beginning in its prefix cache,
+:mod:`gateway.prefix_affinity`; the Prefill also gives the first token) and ends by releasing it.
+Two things move it to a fresh session, prefilled with the prompt plus exactly the tokens the client
+has received:
 
 * a *resync* on the same target: after a draft failure the target may hold tokens the client never
   received (the draft died between the target's commit and forwarding the verdict), or the dying
@@ -28,7 +30,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from gateway import wire
@@ -90,7 +92,8 @@ class TargetSession:
     async def open(self) -> Batch:
         """Prefills the prompt on a target of the pool: the request's first token. A target that
         turns out dead is taken out and the next one tried. Raises what the last call raised."""
-        self.placement = self._place(frozenset())
+        prefer = self._deps.prefix_affinity.narrower(self._request.prompt_token_ids)
+        self.placement = self._place(frozenset(), prefer)
         self.may_hold = True
         try:
             return await self._prefill(self._request.prompt_token_ids, mode=None)
@@ -155,14 +158,17 @@ class TargetSession:
                 code="upstream_error",
             )
 
-    def release_later(self) -> asyncio.Task | None:
+    def release_later(self, completion: Sequence[int] = ()) -> asyncio.Task | None:
         """Starts releasing the current session if the target may hold it (a background task,
         which a cancelled caller does not cancel); None when there is nothing to release. Ends
-        the session's placement either way."""
+        the session's placement either way. ``completion``: the tokens the client received, whose
+        cache (the prompt's and theirs) the target keeps for a prompt that goes on from them."""
         placement, self.placement = self.placement, None
         if placement is None:
             return None
         placement.close()
+        if self.may_hold:
+            self._deps.prefix_affinity.remember(placement.address, (*self._request.prompt_token_ids, *completion)[:-1])
         return self._deps.background.spawn(self._release(placement.client, self.session_id)) if self.may_hold else None
 
     async def watched(self, call: Awaitable[T]) -> T:
@@ -193,8 +199,8 @@ class TargetSession:
         raise TargetLost(f"the target service at {self.address} stopped answering (nothing for {timeout:g}s, "
                          f"and no health check answer in {timeout:g}s)", reason="timeout", address=self.address)
 
-    def _place(self, avoid: frozenset[str]) -> Placement[TargetUpstream]:
-        placement = self._deps.targets.place(avoid)
+    def _place(self, avoid: frozenset[str], prefer: Callable[[list], list] | None = None) -> Placement[TargetUpstream]:
+        placement = self._deps.targets.place(avoid, prefer=prefer)
         if placement is None:
             raise UpstreamUnavailable(self._deps.targets.unavailable(), code="upstream_unavailable")
         return placement
@@ -229,6 +235,7 @@ class TargetSession:
             response = await self.watched(self.target.prefill(request))
         finally:
             counters.prefill_finished(time.monotonic())
+        self._deps.prefix_affinity.remember(self.address, token_ids)
         return wire.batch_from_prefill(response, mode)
 
     async def _release(self, target: TargetUpstream, session_id: str) -> None:
