@@ -58,7 +58,7 @@ from gateway.pacer import Pacer, paced
 from gateway.policy import DRAFT_UNAVAILABLE, Decision, Mode
 from gateway.request import GenerationRequest, Smoothing, Speculation
 from gateway.target_session import Resync, TargetSession
-from gateway.types import Batch
+from gateway.types import Batch, TokenLogprob
 from tandem import telemetry  # mode-switch span events (tandem/telemetry/)
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,20 @@ class Generation:
         self._failed = False
         self._closed = False
         self._interrupted: GatewayError | None = None
+
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of the prompt's tokens after the first, when the request asked for
+        them (echo with logprobs; after :meth:`start`), else ()."""
+        if not self.request.prompt_logprobs or self._first is None:
+            return ()
+        found = tuple(self._first.prompt_logprobs)
+        if len(found) != len(self.request.prompt_token_ids) - 1:
+            raise UpstreamFailure(
+                f"the target sent {len(found)} log-probabilities for a prompt of {len(self.request.prompt_token_ids)} "
+                "tokens (a target older than this gateway sends none)",
+                code="upstream_error",
+            )
+        return found
 
     @property
     def session_id(self) -> str:

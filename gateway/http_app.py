@@ -106,7 +106,8 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
-        meta = ResponseMeta("completion", core.model.name, body.include_usage, strings=core.model.strings)
+        meta = ResponseMeta("completion", core.model.name, body.include_usage, strings=core.model.strings,
+                            echo=body.echo)
         return await _generate(core, body.to_fields, meta, body.stream, request)
 
     def model_card() -> ModelCard:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.events import Finished, TextDelta, Usage
 from gateway.generation import Generation
-from gateway.logprobs import chat_logprobs, completion_logprobs
+from gateway.logprobs import chat_logprobs, completion_logprobs, echoed_prompt
 from gateway.token_strings import TokenStrings
 from gateway.output import merged
 from gateway.protocol import (
@@ -56,6 +56,7 @@ class ResponseMeta:
     include_usage: bool = False
     # Turns the log-probabilities of tokens into their texts (they come only when asked for).
     strings: TokenStrings | None = field(default=None, compare=False, repr=False)
+    echo: bool = False  # a completion that repeats its prompt first
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -95,7 +96,9 @@ async def complete(generation: Generation, meta: ResponseMeta) -> ChatCompletion
         choice = ChatChoice(message=AssistantMessage(content=text), logprobs=_chat_logprobs(meta, merged(deltas)),
                             finish_reason=reason)
         return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
-    choice = CompletionChoice(text=text, logprobs=_completion_logprobs(meta, deltas, 0), finish_reason=reason)
+    prompt, echoed = _echo(generation, meta)
+    logprobs = _completion_logprobs(meta, deltas, len(prompt), echoed)
+    choice = CompletionChoice(text=prompt + text, logprobs=logprobs, finish_reason=reason)
     return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
 
 
@@ -105,6 +108,10 @@ async def stream(generation: Generation, meta: ResponseMeta) -> AsyncIterator[st
         if meta.kind == "chat":
             yield _event(_chat_chunk(meta, ChatDelta(role="assistant", content="")))
         sent = 0  # characters of text streamed so far (a completion's logprobs count offsets in it)
+        if meta.echo:
+            prompt, echoed = _echo(generation, meta)
+            yield _event(_completion_chunk(meta, prompt, logprobs=_completion_logprobs(meta, [], 0, echoed)))
+            sent = len(prompt)
         async with aclosing(generation.events()) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
@@ -158,10 +165,21 @@ def _chat_logprobs(meta: ResponseMeta, delta: TextDelta) -> ChatLogprobs | None:
     return chat_logprobs(meta.strings, list(zip(delta.token_ids, delta.logprobs)))
 
 
-def _completion_logprobs(meta: ResponseMeta, deltas: list[TextDelta], sent: int) -> CompletionLogprobs | None:
-    """The log-probabilities of the deltas' tokens, each token's text offset being where the text
-    stood before its delta (``sent``: the characters before the first delta)."""
-    found = []
+def _echo(generation: Generation, meta: ResponseMeta) -> tuple[str, list]:
+    """The echoed prompt's text and its tokens' entries for :func:`_completion_logprobs` ("", [] without echo)."""
+    if not meta.echo or meta.strings is None:
+        return "", []
+    logprobs = generation.prompt_logprobs() if generation.request.prompt_logprobs else None
+    return echoed_prompt(meta.strings.tokenizer, generation.request.prompt_token_ids, logprobs)
+
+
+def _completion_logprobs(
+    meta: ResponseMeta, deltas: list[TextDelta], sent: int, echoed: list | None = None
+) -> CompletionLogprobs | None:
+    """The log-probabilities of the deltas' tokens (after ``echoed``, an echoed prompt's entries),
+    each token's text offset being where the text stood before its delta (``sent``: the characters
+    before the first delta)."""
+    found = list(echoed or ())
     for delta in deltas:
         found += [(token, lp, sent) for token, lp in zip(delta.token_ids, delta.logprobs)]
         sent += len(delta.text)

@@ -153,8 +153,6 @@ class CompletionRequest(_GenerationBody):
             raise InvalidRequest(
                 f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}", param="logprobs"
             )
-        if self.echo:
-            raise InvalidRequest("echo is not supported by this server", param="echo")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by this server", param="suffix")
         if self.best_of not in (None, 1):
@@ -162,6 +160,7 @@ class CompletionRequest(_GenerationBody):
         fields = self._common_fields(self.max_tokens)
         fields.prompt = self.prompt
         fields.top_logprobs = self.logprobs
+        fields.echo = self.echo
         return fields
 
 
@@ -216,8 +215,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -46,3 +46,10 @@ class GenerationRequest:
     stream_smoothing: Smoothing | None = None
     # None: no log-probabilities; n: each generated token's and its n most probable alternatives'.
     top_logprobs: int | None = None
+    # The response repeats the prompt, and with top_logprobs its tokens' log-probabilities (completions).
+    echo: bool = False
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the target must score the prompt's own tokens."""
+        return self.echo and self.top_logprobs is not None

@@ -96,7 +96,7 @@ class TargetSession:
         self.placement = self._place(frozenset(), prefer)
         self.may_hold = True
         try:
-            return await self._prefill(self._request.prompt_token_ids, mode=None)
+            return await self._prefill(self._request.prompt_token_ids, None, self._request.prompt_logprobs)
         except TargetLost as lost:
             return await self.failover((), lost)
         except UpstreamUnavailable:
@@ -145,7 +145,9 @@ class TargetSession:
             telemetry.record_failover(lost.reason, old_address, self.address, len(completion))
             self.may_hold = True
             try:  # the session keeps its mode: the prefill's token counts as none
-                return await self._prefill((*self._request.prompt_token_ids, *completion), mode=None)
+                # A move before any token (the first Prefill's target lost) still owes the prompt's scores.
+                return await self._prefill((*self._request.prompt_token_ids, *completion), mode=None,
+                                           prompt_logprobs=self._request.prompt_logprobs and not completion)
             except TargetLost as again:
                 lost = again
 
@@ -227,8 +229,10 @@ class TargetSession:
         self.suspect = False
         return old
 
-    async def _prefill(self, token_ids: Sequence[int], mode: Mode | None) -> Batch:
-        request = wire.prefill_request(self.session_id, token_ids, self.params(), self._deps.model.fingerprint)
+    async def _prefill(self, token_ids: Sequence[int], mode: Mode | None, prompt_logprobs: bool = False) -> Batch:
+        request = wire.prefill_request(
+            self.session_id, token_ids, self.params(), self._deps.model.fingerprint, prompt_logprobs
+        )
         counters = self._deps.counters
         counters.prefill_started()
         try:

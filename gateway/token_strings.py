@@ -20,6 +20,7 @@ class TokenStrings:
     """Token id -> (its text decoded alone, its exact bytes), cached (top alternatives repeat)."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
         self._tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         # Byte-level BPE (GPT-2, Llama 3): every piece character stands for one byte.

@@ -44,5 +44,7 @@ class Batch:
     pass_seconds: float = 0.0
     # One per token of token_ids when the request asked for log-probabilities, else ().
     logprobs: Sequence[TokenLogprob] = ()
-    # A Prefill's: prompt tokens whose KV cache the target copied instead of prefilling them.
+    # A Prefill's: prompt tokens whose KV cache the target copied instead of prefilling them, and
+    # when asked for, the log-probabilities of the prompt's tokens after the first.
     cached_tokens: int = 0
+    prompt_logprobs: Sequence[TokenLogprob] = ()

@@ -48,6 +48,7 @@ class RequestFields:
     stream_smoothing: str | None = None
     # None: no log-probabilities; n: each token's and its n most probable alternatives'.
     top_logprobs: int | None = None
+    echo: bool = False  # completions: the response repeats the prompt (with its log-probabilities)
 
 
 class RequestValidator:
@@ -85,6 +86,7 @@ class RequestValidator:
             num_speculative_tokens=k,
             stream_smoothing=self._smoothing(fields.stream_smoothing),
             top_logprobs=self._top_logprobs(fields.top_logprobs),
+            echo=fields.echo,
         )
 
     @staticmethod

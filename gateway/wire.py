@@ -22,13 +22,18 @@ from tandem.v1 import common_pb2, draft_pb2, target_pb2
 
 
 def prefill_request(
-    session_id: str, token_ids: Sequence[int], params: SessionParams, tokenizer_fingerprint: str
+    session_id: str,
+    token_ids: Sequence[int],
+    params: SessionParams,
+    tokenizer_fingerprint: str,
+    prompt_logprobs: bool = False,
 ) -> target_pb2.PrefillRequest:
     return target_pb2.PrefillRequest(
         session_id=session_id,
         prompt_token_ids=token_ids,
         params=codecs.session_params_to_wire(params),
         tokenizer_fingerprint=tokenizer_fingerprint,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -80,6 +85,7 @@ def batch_from_prefill(response: target_pb2.PrefillResponse, mode: Mode | None =
     return Batch(
         (response.token_id,), finish_from_wire(response.finish_reason), response.committed_len, mode,
         logprobs=logprobs, cached_tokens=response.cached_tokens,
+        prompt_logprobs=codecs.token_logprobs(response.prompt_logprobs),
     )
 
 

@@ -56,6 +56,8 @@ from target_service.validation import check_prefill
 
 __all__ = ["Answer", "DecodeStep", "PrefillJob", "TargetEngine"]
 
+PROMPT_LOGPROBS_CHUNK = 64  # prompt rows per pass when each is scored: 64 MB of float32 logits at 262k
+
 log = logging.getLogger(__name__)
 
 
@@ -150,10 +152,11 @@ class TargetEngine:
         prompt_token_ids: Sequence[int],
         config: SessionConfig,
         tokenizer_fingerprint: str = "",
+        prompt_logprobs: bool = False,
     ) -> PrefillResult:
         """Creates the session, fills its KV cache with the prompt and picks the first token (in one
         call; the server runs :meth:`begin_prefill` and :meth:`prefill_chunk` as separate calls)."""
-        job = self.begin_prefill(session_id, prompt_token_ids, config, tokenizer_fingerprint)
+        job = self.begin_prefill(session_id, prompt_token_ids, config, tokenizer_fingerprint, prompt_logprobs)
         while (result := self.prefill_chunk(job)) is None:
             pass
         return result
@@ -164,15 +167,19 @@ class TargetEngine:
         prompt_token_ids: Sequence[int],
         config: SessionConfig,
         tokenizer_fingerprint: str = "",
+        prompt_logprobs: bool = False,
     ) -> PrefillJob:
-        """Checks a prefill request and sets up its session (not yet in the store); no forward pass."""
+        """Checks a prefill request and sets up its session (not yet in the store); no forward pass.
+        ``prompt_logprobs``: the result also carries each prompt token's log-probability (after the
+        first), for which every prompt row is scored, in chunks of at most
+        :data:`PROMPT_LOGPROBS_CHUNK` (their logits are a row of the vocabulary each)."""
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
         self.store.check_can_add(session_id, kv_tokens(len(prompt_token_ids), config))
         # A prompt that begins as an ended session's tokens did starts from a copy of their cache;
-        # not where every prompt position's hidden state is asked for (they are not kept).
+        # not where every prompt position's hidden state or score is asked for (they are not kept).
         found = None
-        if self.store.prefix_cache is not None and not config.return_hidden_states:
+        if self.store.prefix_cache is not None and not config.return_hidden_states and not prompt_logprobs:
             found = self.store.prefix_cache.lookup(prompt_token_ids)
         cache, cached = found if found is not None else (kv_cache.new_cache(), 0)
         if self.metrics is not None:
@@ -187,6 +194,9 @@ class TargetEngine:
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
         )
+        if prompt_logprobs:
+            chunk = min(self.prefill_chunk_tokens or len(prompt_token_ids), PROMPT_LOGPROBS_CHUNK)
+            return PrefillJob(session, chunk, prompt_logprobs=True)
         return PrefillJob(session, self.prefill_chunk_tokens, done=cached, cached=cached)
 
     def prefill_chunk(self, job: PrefillJob) -> PrefillResult | None:

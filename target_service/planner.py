@@ -48,6 +48,8 @@ class PrefillJob:
     done: int = 0  # prompt tokens already in the session's cache
     cached: int = 0  # of them, those copied from the prefix cache (not prefilled)
     hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden_size] each, when asked for
+    prompt_logprobs: bool = False  # score every prompt row, not only the last
+    scored: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens after the first, so far
 
     @property
     def prompt(self) -> list[int]:
@@ -120,6 +122,8 @@ class Planner:
         session, chunk = job.session, job.next_chunk
         last = job.done + len(chunk) == len(job.prompt)
         want_hidden = session.config.return_hidden_states
+        if job.prompt_logprobs:  # every row's logits
+            return Planned(job, Step(session, chunk, want_hidden, last_only=False))
         screened = self.runner.screens(session)
         return Planned(job, Step(session, chunk, want_hidden, last_only=True, screened=screened, scored=last))
 
@@ -184,9 +188,13 @@ class Planner:
         """Scores of the chunk's last row, hidden [chunk, hidden_size] when asked for. After the last
         chunk the session joins the store (checked again: another session may have taken the id or
         the last slot meanwhile) and takes its first token."""
+        start = job.done
         job.done += len(step.token_ids)
         if hidden is not None:
             job.hidden.append(hidden)
+        if job.prompt_logprobs:  # row i scored prompt token start + i + 1 (the last row: the first token)
+            following = job.prompt[start + 1 : job.done + 1]
+            job.scored += token_logprobs(scores.logits, following, job.session.config.top_logprobs or 0)
         if job.done < len(job.prompt):
             return None
         session = job.session
@@ -195,9 +203,10 @@ class Planner:
         committed, reason = self._cut(session, [first])
         self._commit(session, committed, reason)
         hidden_states = torch.cat(job.hidden) if hidden is not None else None  # [prompt, hidden_size]
-        logprobs = _logprobs(session, scores.logits, committed)
+        logprobs = _logprobs(session, None if scores.logits is None else scores.logits[-1:], committed)  # [1, vocab]
         return PrefillResult(
-            first, session.committed_len, reason, hidden_states, logprobs[0] if logprobs else None, job.cached
+            first, session.committed_len, reason, hidden_states, logprobs[0] if logprobs else None, job.cached,
+            tuple(job.scored),
         )
 
     def _finish_chain(

@@ -42,7 +42,7 @@ class RowScores:
     (neither for a step that scores no rows)."""
 
     logits: torch.Tensor | None = None  # [rows, vocab]
-    argmax: torch.Tensor | None = None  # [rows] int64
+    argmax: torch.Tensor | None = None  # [rows] int64; the greedy tokens, whether or not logits came too
 
 
 @dataclass
@@ -244,7 +244,7 @@ class ModelRunner:
                 if not step.scored
                 else RowScores(argmax=next(tokens))
                 if step.screened
-                else RowScores(argmax=self.argmax_rows(logits))
+                else RowScores(logits=logits, argmax=self.argmax_rows(logits))  # logits: for log-probabilities
                 if self._native_argmax(step, logits)
                 else RowScores(logits=logits),
                 hidden if step.want_hidden else None,
@@ -260,7 +260,6 @@ class ModelRunner:
             and logits.dim() == 2
             and logits.shape[1] > 0
             and logits.stride(1) == 1
-            and step.session.config.top_logprobs is None  # its logits are kept for them
             and bool(is_greedy(step.session.sampling.temperature)[0])
         )
 

@@ -76,6 +76,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             list(request.prompt_token_ids),
             config,
             request.tokenizer_fingerprint,
+            request.prompt_logprobs,
         )
         # One pass per chunk, shared with the other sessions waiting (a short prompt is one chunk).
         while (result := await self._answer(context, self.batcher.run(job, len(job.next_chunk)))) is None:

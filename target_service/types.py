@@ -58,6 +58,8 @@ class PrefillResult:
     hidden_states: torch.Tensor | None = None  # [prompt_len, hidden_size] when asked for
     logprobs: TokenLogprob | None = None  # the first token's, when the session asked for them
     cached_tokens: int = 0  # prompt tokens whose cache came from the prefix cache, not a prefill
+    # When asked for: one per prompt token after the first (what each row of the prompt scored).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ def prefill_response(result: PrefillResult) -> target_pb2.PrefillResponse:
         hidden_states=codecs.hidden_states_to_wire(result.hidden_states),
         logprobs=codecs.token_logprobs_to_wire([result.logprobs])[0] if result.logprobs else None,
         cached_tokens=result.cached_tokens,
+        prompt_logprobs=codecs.token_logprobs_to_wire(result.prompt_logprobs),
     )
 
 

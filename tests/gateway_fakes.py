@@ -36,6 +36,11 @@ MAX_CONTEXT_LEN = 128
 FAKE_TARGET_NAME = "fake-target"
 
 
+def prompt_value(position: int) -> float:
+    """The fake target's log-probability of prompt token ``position`` (> 0)."""
+    return -1.0 - 0.5 * (position % 3)
+
+
 @dataclass
 class FakeSession:
     prompt: list[int]
@@ -122,11 +127,18 @@ class ScriptedModel:
                                                   top_logprobs=[value - i for i in range(len(top))]))
         return found
 
-    def prefill_response(self, session: FakeSession) -> target_pb2.PrefillResponse:
+    def prefill_response(self, session: FakeSession, prompt_logprobs: bool = False) -> target_pb2.PrefillResponse:
+        """``prompt_logprobs``: made up for prompt token i > 0 as ``prompt_value(i)``, its one
+        alternative the token itself."""
         logprobs = self.logprobs(session, session.generated[:1])
+        scored = [
+            common_pb2.TokenLogprobs(logprob=prompt_value(i), top_token_ids=[token], top_logprobs=[prompt_value(i)])
+            for i, token in enumerate(session.prompt) if i
+        ] if prompt_logprobs else []
         return target_pb2.PrefillResponse(
             token_id=session.generated[0], committed_len=session.committed_len, finish_reason=session.finish,
             logprobs=logprobs[0] if logprobs else None, cached_tokens=min(self.cached_tokens, len(session.prompt) - 1),
+            prompt_logprobs=scored,
         )
 
     def release(self, session_id: str) -> bool:
@@ -202,7 +214,7 @@ class FakeTargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.model.cancelled_prefills.append(request.session_id)
                 raise
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)
-        return self.model.prefill_response(session)
+        return self.model.prefill_response(session, request.prompt_logprobs)
 
     async def Generate(self, request, context):
         async for response in self.model.generate_stream(request.session_id, request.max_new_tokens):
@@ -281,7 +293,7 @@ class InMemoryTarget:
 
     async def prefill(self, request: target_pb2.PrefillRequest) -> target_pb2.PrefillResponse:
         session = self.model.prefill(request.session_id, list(request.prompt_token_ids), request.params)
-        return self.model.prefill_response(session)
+        return self.model.prefill_response(session, request.prompt_logprobs)
 
     def generate(self, request: target_pb2.TargetServiceGenerateRequest) -> InMemoryStream:
         self.streams.append(InMemoryStream(self.model.generate_stream(request.session_id, request.max_new_tokens)))

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.token_strings import TokenStrings
-from gateway_fakes import SCRIPT_TEXT
+from gateway_fakes import SCRIPT_TEXT, prompt_value
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 from test_gateway_http import model_name, post, sse_data
 
@@ -121,3 +121,34 @@ def test_token_strings_give_exact_bytes_for_pieces_of_a_character(tokenizer):
     ids = tokenizer("✓ 日本語 🙂", add_special_tokens=False)["input_ids"]
     assert b"".join(bytes(strings.of(i)[1]) for i in ids).decode() == "✓ 日本語 🙂"
     assert any("\ufffd" in strings.of(i)[0] for i in ids)  # some token holds part of a character
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_repeats_the_prompt_with_its_tokens_logprobs_as_lm_eval_asks(stack, tokenizer, stream):
+    """lm-evaluation-harness's loglikelihood request: token ids, ``echo``, ``logprobs: 1``, one token.
+    The prompt's first token has null value and alternatives; every later one the target's score."""
+    prompt = tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
+    body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "echo": True, "seed": 1234, "stream": stream}
+    response = await post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(data)["choices"][0] for data in sse_data(response.text)[:-1]]
+        text = "".join(c["text"] for c in chunks)
+        parts = [c["logprobs"] for c in chunks if c["logprobs"]]
+        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+    else:
+        choice = response.json()["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    assert text == "The quick brown fox" + tokenizer.decode(stack.model.expected_tokens(1))
+    values = logprobs["token_logprobs"]
+    assert len(values) == len(prompt) + 1 and values[0] is None and logprobs["top_logprobs"][0] is None
+    assert values[1 : len(prompt)] == [prompt_value(i) for i in range(1, len(prompt))]
+    assert values[-1] == made_up(0)  # the generated token's
+    # What lm-eval reads: each prompt token's value against its top alternative (here, itself).
+    assert all(v == max(top.values()) for v, top in zip(values[1:], logprobs["top_logprobs"][1:]))
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[len(prompt)] == len("The quick brown fox")
+    plain = await post(stack, "/v1/completions", {**body, "stream": False, "logprobs": None})
+    assert plain.json()["choices"][0]["text"] == text and plain.json()["choices"][0]["logprobs"] is None
+    await stack.wait_until_idle()

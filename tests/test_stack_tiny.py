@@ -117,6 +117,24 @@ def test_logprobs_are_the_targets_whether_speculating_or_not(stack, reference, t
             want.max(dim=-1).values.tolist(), abs=1e-4)
 
 
+def test_echo_scores_a_prompt_as_the_target_model_does(stack, reference, tiny_dir) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, one token): each
+    prompt token's value is the target model's log-softmax at its position, across the stack."""
+    tokenizer, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    prompt = tokenizer(PROMPTS[0] * 4).input_ids
+    body = {"model": "", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    done = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=60).json()
+    logprobs = done["choices"][0]["logprobs"]
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [len, vocab]
+    expected = [float(want[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    assert logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(expected, abs=1e-4)
+    assert [max(top.values()) for top in logprobs["top_logprobs"][1 : len(prompt)]] == pytest.approx(
+        want[: len(prompt) - 1].max(dim=-1).values.tolist(), abs=1e-4)
+
+
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
     """A conversation's second request starts with the first's prompt and answer: the target copies
     their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""

@@ -172,3 +172,38 @@ def test_the_quantized_target_reports_the_same_values_speculating_or_not(quantiz
     sp_tokens, sp_logprobs = run_speculative(engine, prompt, config, seed=4)
     assert sp_tokens[:NEW] == ar_tokens
     assert_close(sp_logprobs[:NEW], ar_logprobs)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_a_prompts_own_tokens_get_theirs_whatever_its_chunks(loaded, chunk) -> None:
+    """echo with logprobs: every prompt token after the first, scored by the row before it, in
+    passes of ``chunk`` rows (0: the whole prompt; the engine caps a chunk at 64 rows); the prefix
+    cache is not used for it (its rows were never scored)."""
+    engine = TargetEngine(loaded, prefill_chunk_tokens=chunk)
+    prompt = prompt_ids(11)
+    engine.prefill("first", prompt + [5], SessionConfig(max_new_tokens=4, ignore_eos=True))
+    engine.generate("first", 3)
+    engine.release("first")  # its cache is kept: the prompt below starts the same way
+    config = SessionConfig(max_new_tokens=1, ignore_eos=True, top_logprobs=2)
+    result = engine.prefill("s", prompt, config, prompt_logprobs=True)
+    assert result.cached_tokens == 0 and len(result.prompt_logprobs) == len(prompt) - 1
+    assert_close(list(result.prompt_logprobs), reference(loaded.model, prompt, 1, 2)[: len(prompt) - 1])
+    alone = TargetEngine(loaded).prefill("t", prompt, config)  # the first token is the same either way
+    assert result.token_id == alone.token_id
+    assert_close([result.logprobs], [alone.logprobs])
+
+
+def test_prompt_logprobs_on_the_quantized_target(quantized_gemma) -> None:
+    """A generated continuation, sent back as a prompt: its tokens' prompt log-probabilities are the
+    ones decoding reported (to the bit where the runner is row-exact), in chunks of any size."""
+    prompt = prompt_ids(12)
+    decoded = TargetEngine(quantized_gemma)
+    tokens, logprobs = run_autoregressive(decoded, prompt, SessionConfig(max_new_tokens=8, ignore_eos=True,
+                                                                         top_logprobs=1))
+    for chunk in (3, 0):
+        engine = TargetEngine(quantized_gemma, prefill_chunk_tokens=chunk)
+        scored = engine.prefill("s", prompt + tokens, SessionConfig(max_new_tokens=1, top_logprobs=1),
+                                prompt_logprobs=True).prompt_logprobs
+        assert_close(list(scored[len(prompt) - 1 :]), logprobs)
+        if engine.runner.row_exact:  # int8 activations: each row computed as a one-token step would be
+            assert list(scored[len(prompt) - 1 :]) == logprobs

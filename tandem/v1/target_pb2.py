@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x1a\n\x18TargetServiceInfoRequest\"\xc4\x02\n\x19TargetServiceInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x18\n\x10verifier_backend\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x16\n\x0ekv_free_tokens\x18\x0b \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x03\x12\x15\n\rqueued_passes\x18\r \x01(\x05\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.tandem.v1.SessionParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1c\n\x14return_hidden_states\x18\x05 \x01(\x08\"\xdd\x01\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12.\n\rhidden_states\x18\x04 \x01(\x0b\x32\x17.tandem.v1.HiddenStates\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"\x83\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x19\n\x11\x61ssumed_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12\x32\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x10\n\x08\x62lock_id\x18\x06 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x1c\n\x14return_hidden_states\x18\x08 \x01(\x08\x12\x15\n\rdraft_parents\x18\t \x03(\x05\"\xf8\x02\n\x0eVerifyResponse\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x04\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.tandem.v1.VerdictStatus\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x04 \x03(\x05\x12\x15\n\rcommitted_len\x18\x05 \x01(\x05\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12.\n\rhidden_states\x18\x07 \x01(\x0b\x32\x17.tandem.v1.HiddenStates\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x02\x12\x11\n\tpass_rows\x18\t \x01(\x05\x12\x13\n\x0bpass_tokens\x18\n \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x0b \x01(\x02\x12*\n\x08logprobs\x18\x0c \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"J\n\x1cTargetServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\"\xd1\x01\n\x1dTargetServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0cpass_seconds\x18\x04 \x01(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*}\n\rVerdictStatus\x12\x1e\n\x1aVERDICT_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11VERDICT_STATUS_OK\x10\x01\x12\x18\n\x14VERDICT_STATUS_STALE\x10\x02\x12\x1b\n\x17VERDICT_STATUS_FINISHED\x10\x03\x32\x8a\x03\n\rTargetService\x12Q\n\x04Info\x12#.tandem.v1.TargetServiceInfoRequest\x1a$.tandem.v1.TargetServiceInfoResponse\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x18.tandem.v1.VerifyRequest\x1a\x19.tandem.v1.VerifyResponse(\x01\x30\x01\x12_\n\x08Generate\x12\'.tandem.v1.TargetServiceGenerateRequest\x1a(.tandem.v1.TargetServiceGenerateResponse0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x1a\n\x18TargetServiceInfoRequest\"\xc4\x02\n\x19TargetServiceInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x18\n\x10verifier_backend\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x16\n\x0ekv_free_tokens\x18\x0b \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x03\x12\x15\n\rqueued_passes\x18\r \x01(\x05\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.tandem.v1.SessionParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x1c\n\x14return_hidden_states\x18\x05 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\"\x90\x02\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12.\n\rhidden_states\x18\x04 \x01(\x0b\x32\x17.tandem.v1.HiddenStates\x12*\n\x08logprobs\x18\x05 \x01(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x83\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x05\x12\x19\n\x11\x61ssumed_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12\x32\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1d.tandem.v1.SparseDistribution\x12\x10\n\x08\x62lock_id\x18\x06 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x1c\n\x14return_hidden_states\x18\x08 \x01(\x08\x12\x15\n\rdraft_parents\x18\t \x03(\x05\"\xf8\x02\n\x0eVerifyResponse\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x04\x12(\n\x06status\x18\x02 \x01(\x0e\x32\x18.tandem.v1.VerdictStatus\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x04 \x03(\x05\x12\x15\n\rcommitted_len\x18\x05 \x01(\x05\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12.\n\rhidden_states\x18\x07 \x01(\x0b\x32\x17.tandem.v1.HiddenStates\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x02\x12\x11\n\tpass_rows\x18\t \x01(\x05\x12\x13\n\x0bpass_tokens\x18\n \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x0b \x01(\x02\x12*\n\x08logprobs\x18\x0c \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"J\n\x1cTargetServiceGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\"\xd1\x01\n\x1dTargetServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0cpass_seconds\x18\x04 \x01(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*}\n\rVerdictStatus\x12\x1e\n\x1aVERDICT_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11VERDICT_STATUS_OK\x10\x01\x12\x18\n\x14VERDICT_STATUS_STALE\x10\x02\x12\x1b\n\x17VERDICT_STATUS_FINISHED\x10\x03\x32\x8a\x03\n\rTargetService\x12Q\n\x04Info\x12#.tandem.v1.TargetServiceInfoRequest\x1a$.tandem.v1.TargetServiceInfoResponse\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x18.tandem.v1.VerifyRequest\x1a\x19.tandem.v1.VerifyResponse(\x01\x30\x01\x12_\n\x08Generate\x12\'.tandem.v1.TargetServiceGenerateRequest\x1a(.tandem.v1.TargetServiceGenerateResponse0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERDICTSTATUS']._serialized_start=1812
-  _globals['_VERDICTSTATUS']._serialized_end=1937
+  _globals['_VERDICTSTATUS']._serialized_start=1888
+  _globals['_VERDICTSTATUS']._serialized_end=2013
   _globals['_TARGETSERVICEINFOREQUEST']._serialized_start=61
   _globals['_TARGETSERVICEINFOREQUEST']._serialized_end=87
   _globals['_TARGETSERVICEINFORESPONSE']._serialized_start=90
   _globals['_TARGETSERVICEINFORESPONSE']._serialized_end=414
   _globals['_PREFILLREQUEST']._serialized_start=417
-  _globals['_PREFILLREQUEST']._serialized_end=582
-  _globals['_PREFILLRESPONSE']._serialized_start=585
-  _globals['_PREFILLRESPONSE']._serialized_end=806
-  _globals['_VERIFYREQUEST']._serialized_start=809
-  _globals['_VERIFYREQUEST']._serialized_end=1068
-  _globals['_VERIFYRESPONSE']._serialized_start=1071
-  _globals['_VERIFYRESPONSE']._serialized_end=1447
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=1449
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=1523
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=1526
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=1735
-  _globals['_RELEASEREQUEST']._serialized_start=1737
-  _globals['_RELEASEREQUEST']._serialized_end=1773
-  _globals['_RELEASERESPONSE']._serialized_start=1775
-  _globals['_RELEASERESPONSE']._serialized_end=1810
-  _globals['_TARGETSERVICE']._serialized_start=1940
-  _globals['_TARGETSERVICE']._serialized_end=2334
+  _globals['_PREFILLREQUEST']._serialized_end=607
+  _globals['_PREFILLRESPONSE']._serialized_start=610
+  _globals['_PREFILLRESPONSE']._serialized_end=882
+  _globals['_VERIFYREQUEST']._serialized_start=885
+  _globals['_VERIFYREQUEST']._serialized_end=1144
+  _globals['_VERIFYRESPONSE']._serialized_start=1147
+  _globals['_VERIFYRESPONSE']._serialized_end=1523
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=1525
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=1599
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=1602
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=1811
+  _globals['_RELEASEREQUEST']._serialized_start=1813
+  _globals['_RELEASEREQUEST']._serialized_end=1849
+  _globals['_RELEASERESPONSE']._serialized_start=1851
+  _globals['_RELEASERESPONSE']._serialized_end=1886
+  _globals['_TARGETSERVICE']._serialized_start=2016
+  _globals['_TARGETSERVICE']._serialized_end=2410
 # @@protoc_insertion_point(module_scope)

@@ -54,34 +54,38 @@ class TargetServiceInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., verifier_backend: _Optional[str] = ..., active_sessions: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queued_passes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "params", "tokenizer_fingerprint", "return_hidden_states")
+    __slots__ = ("session_id", "prompt_token_ids", "params", "tokenizer_fingerprint", "return_hidden_states", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SessionParams
     tokenizer_fingerprint: str
     return_hidden_states: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SessionParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., return_hidden_states: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states", "logprobs", "cached_tokens")
+    __slots__ = ("token_id", "committed_len", "finish_reason", "hidden_states", "logprobs", "cached_tokens", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     committed_len: int
     finish_reason: _common_pb2.FinishReason
     hidden_states: _common_pb2.HiddenStates
     logprobs: _common_pb2.TokenLogprobs
     cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_id: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., hidden_states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "base_len", "assumed_token_ids", "draft_token_ids", "draft_probs", "block_id", "tokenizer_fingerprint", "return_hidden_states", "draft_parents")
