@@ -1,8 +1,8 @@
 """KV caches of sessions that ended, kept so that a prompt that starts the same way prefills only the rest.
 
 A chat client sends the whole conversation every turn: the new prompt is the last turn's prompt,
-its answer and the next message. Without this, the target prefills all of it again (on a 2-core
-CPU about 1.3 ms a token: seconds before the first token of a long conversation). With it, a new
+its answer and the next message. Without this, the target prefills all of it again, and the
+client waits for that before its first token (figures: docs/target.md#prefix-cache). With it, a new
 session starts from a copy of the longest cached prefix of its prompt and prefills the tokens after
 it. Sessions sharing a system prompt, and a gateway's re-prefill of a session it moves, gain alike.
 
