@@ -4,7 +4,7 @@ Each target keeps the KV caches of sessions that ended (``target_service.prefix_
 prefills only what a new prompt adds to the longest of them. In a pool that pays only if the next
 turn of a conversation lands on the target that served the last one, which placement by load alone
 leaves to chance (one in N). So the gateway remembers, per target, the token blocks of the sessions
-it placed there (chained hashes of :data:`BLOCK`-token blocks, the most recent :data:`MAX_BLOCKS`
+it placed there (``tandem.token_blocks``: chained hashes of 16-token blocks, the most recent :data:`MAX_BLOCKS`
 per target) and, among the members placement may choose, prefers the one holding the longest
 prefix of the new prompt, unless that member carries more than twice the least load plus one
 session: a cached prefix saves a prefill, not a wait behind a crowd.
@@ -20,17 +20,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-BLOCK = 16  # tokens per remembered block; the target reuses prefixes from 16 tokens on
+from tandem.token_blocks import BLOCK, block_hashes
+
 MAX_BLOCKS = 1 << 16  # remembered per target, the least recently used forgotten first
-
-
-def block_hashes(tokens: Sequence[int]) -> list[int]:
-    """One hash per whole block of ``tokens``, each covering every token before its block's end."""
-    hashes, previous = [], 0
-    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
-        previous = hash((previous, tuple(tokens[start : start + BLOCK])))
-        hashes.append(previous)
-    return hashes
 
 
 class PrefixAffinity:

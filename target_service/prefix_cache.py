@@ -13,6 +13,10 @@ computes each row as a one-token step, ``ModelRunner.row_exact``; up to float su
 elsewhere, as chunked prefill already is), and a session started from it decodes what a session
 prefilled from scratch would.
 
+Lookup: entries are indexed by the chained hashes of their 16-token blocks
+(``tandem.token_blocks``), so finding the longest kept prefix of a prompt costs a dictionary lookup
+per block of it, whatever the number of entries, and one comparison of the tokens found.
+
 Memory: entries take at most ``max_positions`` (the engine gives them a quarter of the KV budget)
 and only the budget's room that live sessions do not reserve, and give it back (least recently used
 first) whenever a new session needs it (``SessionStore``).
@@ -26,9 +30,10 @@ from dataclasses import dataclass
 
 from transformers import DynamicCache
 
+from tandem.token_blocks import BLOCK, block_hashes
 from target_service import kv_cache
 
-MIN_TOKENS = 16  # a shorter shared prefix saves less than the copy and the lookup cost
+MIN_TOKENS = BLOCK  # a shorter shared prefix saves less than the copy and the lookup cost
 DEFAULT_POSITIONS = 1 << 16  # the most positions kept when the target has no KV budget
 BUDGET_SHARE = 4  # of a KV budget, entries take at most 1/BUDGET_SHARE
 
@@ -36,15 +41,17 @@ BUDGET_SHARE = 4  # of a KV budget, entries take at most 1/BUDGET_SHARE
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]  # what the cache holds, one position each
+    hashes: list[int]  # of its whole blocks
     cache: DynamicCache
     positions: int  # what it takes of the budget (its buffers' room)
 
 
 class PrefixCache:
     def __init__(self, max_positions: int = DEFAULT_POSITIONS, min_tokens: int = MIN_TOKENS) -> None:
-        self.min_tokens = min_tokens
+        self.min_tokens = max(min_tokens, 1)
         self.max_positions = max_positions
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._holding: dict[int, dict[int, None]] = {}  # block hash -> the entries holding that block
         self._next_key = 0
         self.positions = 0  # taken by all entries
 
@@ -62,26 +69,45 @@ class PrefixCache:
             return
         kv_cache.truncate(cache, held)
         kept = tuple(tokens[:held])
-        for key, entry in list(self._entries.items()):  # an entry the new one extends says nothing more
-            if len(entry.tokens) <= held and kept[: len(entry.tokens)] == entry.tokens:
+        hashes = block_hashes(kept)
+        # An entry the new one extends says nothing more: it holds the new one's first block (or is
+        # shorter than a block), then only its blocks, then only its tokens.
+        for key in list(self._holding.get(hashes[0], {}) if hashes else ()) + self._short_entries(kept):
+            entry = self._entries[key]
+            if (len(entry.tokens) <= held and entry.hashes == hashes[: len(entry.hashes)]
+                    and kept[: len(entry.tokens)] == entry.tokens):
                 self._remove(key)
-        entry = _Entry(kept, cache, kv_cache.capacity(cache))
-        self._entries[self._next_key] = entry
-        self._next_key += 1
+        entry = _Entry(kept, hashes, cache, kv_cache.capacity(cache))
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._entries[key] = entry
+        for h in hashes:
+            self._holding.setdefault(h, {})[key] = None
         self.positions += entry.positions
         self.shrink_to(self.max_positions if room is None else min(room, self.max_positions))
 
     def lookup(self, prompt: Sequence[int]) -> tuple[DynamicCache, int] | None:
         """A copy of the cache of the longest kept prefix of ``prompt`` and its length, leaving at least
         the prompt's last token to prefill (it scores the first generated token); None under ``min_tokens``."""
-        best_key, best = None, 0
         limit = len(prompt) - 1
-        for key, entry in self._entries.items():
-            common = _common_prefix(entry.tokens, prompt, limit)
+        hashes = block_hashes(prompt[:limit])
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in self._holding:
+            depth += 1
+        if depth == 0:
+            return None
+        # Every holder of the deepest block shares the prompt's first ``depth`` blocks; which goes
+        # furthest into the next one (which no entry holds whole)?
+        shared, end = depth * BLOCK, min(limit, (depth + 1) * BLOCK - 1)
+        best_key, best = None, -1
+        for key in reversed(self._holding[hashes[depth - 1]]):  # the most recent first
+            tokens = self._entries[key].tokens
+            common = shared + _common_prefix(tokens[shared:end], prompt[shared:end], end - shared)
             if common > best:
                 best_key, best = key, common
-        if best_key is None or best < self.min_tokens:
-            return None
+            if best == end:
+                break
+        if best < self.min_tokens or self._entries[best_key].tokens[:shared] != tuple(prompt[:shared]):
+            return None  # too short to pay, or a hash collision
         self._entries.move_to_end(best_key)
         return kv_cache.copy_prefix(self._entries[best_key].cache, best), best
 
@@ -90,23 +116,25 @@ class PrefixCache:
         while self._entries and self.positions > max(0, positions):
             self._remove(next(iter(self._entries)))
 
+    def _short_entries(self, tokens: tuple[int, ...]) -> list[int]:
+        """Entries of less than one block that ``tokens`` may extend (kept only when ``min_tokens`` < BLOCK)."""
+        return [key for key, entry in self._entries.items() if not entry.hashes and entry.tokens[:1] == tokens[:1]]
+
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
         self.positions -= entry.positions
+        for h in entry.hashes:
+            holders = self._holding.get(h)
+            if holders is not None:
+                holders.pop(key, None)
+                if not holders:
+                    del self._holding[h]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """The length of the longest common prefix of a and b, at most ``limit``."""
     n = min(len(a), len(b), limit)
-    if n <= 0 or a[0] != b[0]:
-        return 0
-    if list(a[:n]) == list(b[:n]):
-        return n
-    low, high = 1, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if list(a[:middle]) == list(b[:middle]):
-            low = middle
-        else:
-            high = middle
-    return low
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from gateway.pool import Pool
-from gateway.prefix_affinity import BLOCK, PrefixAffinity, block_hashes
+from gateway.prefix_affinity import PrefixAffinity
 from gateway.request import Speculation
 from gateway_fakes import InMemoryTarget, ScriptedModel
 from test_fleet_failover import make_deps, make_request, run
+from tandem.token_blocks import BLOCK, block_hashes
 from test_fleet_pool import Client
 
 SYSTEM = list(range(100, 100 + 3 * BLOCK))  # three whole blocks

@@ -14,6 +14,7 @@ from tandem.models import load_model
 from tandem.telemetry.metrics import make_metrics
 from target_service import kv_cache
 from target_service.engine import TargetEngine
+from tandem.token_blocks import BLOCK
 from target_service.prefix_cache import MIN_TOKENS, PrefixCache
 from target_service.session import SessionConfig
 from target_service.types import DraftBlock, VerdictStatus
@@ -136,19 +137,21 @@ def test_what_is_never_kept_or_reused(float_gemma) -> None:
 
 
 def test_the_longest_prefix_wins_and_the_least_recent_goes_first() -> None:
-    pool = PrefixCache(max_positions=1000, min_tokens=2)
+    pool = PrefixCache(max_positions=10_000)
+    base = list(range(1000, 1000 + BLOCK))  # one block both entries share
 
     def cache_of(n: int):
         cache = kv_cache.new_cache()
         cache.update(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4), 0)
         return cache
 
-    pool.keep([1, 2, 3, 4, 5], cache_of(5), room=None)  # keeps [1, 2, 3, 4]
-    pool.keep([1, 2, 9, 9, 9, 9], cache_of(6), room=None)  # keeps [1, 2, 9, 9, 9]
-    assert pool.lookup([1, 2, 3, 4, 7])[1] == 4
-    assert pool.lookup([1, 2, 9, 9])[1] == 3  # the prompt's last token is left to prefill
-    assert pool.lookup([1, 7]) is None and pool.lookup([2, 2, 3]) is None
-    used = pool.positions
-    pool.shrink_to(used - 1)  # the least recently used ([1, 2, 3, 4], looked up before the other) goes
-    assert len(pool) == 1 and pool.lookup([1, 2, 9, 9, 9, 9])[1] == 5
-    assert pool.lookup([1, 2, 3, 4, 7])[1] == 2
+    pool.keep(base + [1] * BLOCK + [5], cache_of(2 * BLOCK + 1), room=None)  # keeps two whole blocks
+    pool.keep(base + [2] * (BLOCK + 4) + [6], cache_of(2 * BLOCK + 5), room=None)  # two blocks and 4 tokens
+    assert pool.lookup(base + [1] * BLOCK + [7])[1] == 2 * BLOCK
+    assert pool.lookup(base + [2] * (BLOCK + 4) + [8, 8])[1] == 2 * BLOCK + 4  # past its last whole block
+    assert pool.lookup(base + [2] * 10)[1] == BLOCK + 9  # the prompt's last token is left to prefill
+    assert pool.lookup([7] * 40) is None and pool.lookup(base[:10]) is None  # no whole block in common
+    pool.shrink_to(pool.positions - 1)  # the least recently used (the first, looked up before) goes
+    assert len(pool) == 1 and pool.lookup(base + [1] * BLOCK + [7])[1] == BLOCK
+    pool.keep(base + [2] * (BLOCK + 4) + [6, 6, 6], cache_of(2 * BLOCK + 7), room=None)  # extends the other
+    assert len(pool) == 1 and pool.lookup(base + [2] * (BLOCK + 4) + [6, 6, 9])[1] == 2 * BLOCK + 6
