@@ -20,6 +20,7 @@ from gateway.admission import AdmissionControl
 from gateway.auth import ApiKeys
 from gateway.errors import InvalidRequest, Overloaded, ShuttingDown
 from gateway.deps import GenerationDeps
+from gateway.choices import MAX_CHOICES, Choices, choice_requests
 from gateway.generation import Generation
 from gateway.monitor import UpstreamMonitor
 from gateway.served_model import ServedModel
@@ -71,24 +72,41 @@ class GatewayCore:
         """Validates and admits a request; raises InvalidRequest or Overloaded. ``read_fields``
         turns the transport's message into fields (and may refuse it too), so every refusal is
         counted here. ``key``: the id of the request's API key, for its per-key limits. The caller must close the returned generation (``async with``) so that its
-        admission slot is freed."""
+        admission slot is freed. A request for several choices (``n``) goes through :meth:`open_choices`."""
+        choices = self.open_choices(read_fields, key, most=1)
+        return choices.generations[0]
+
+    def open_choices(
+        self, read_fields: Callable[[], RequestFields], key: str | None = None, most: int = MAX_CHOICES
+    ) -> Choices:
+        """:meth:`open` for a request of ``n`` choices (at most ``most``): each is a generation with
+        its own admission slot, all admitted or none."""
         received_at = time.monotonic()
         if self._stopping:
             self.metrics.requests.labels(status="rejected").inc()
             raise ShuttingDown("the gateway is shutting down", code="shutting_down")
         try:
             request = self.validator.validate(read_fields())
+            if request.n > most:
+                raise InvalidRequest(f"n must be at most {most} here, got {request.n}", param="n")
         except InvalidRequest:
             self.count_invalid()
             raise
+        tickets = []
         try:
-            ticket = self.admission.admit(key)
+            for _ in range(request.n):
+                tickets.append(self.admission.admit(key))
         except Overloaded:
+            for ticket in tickets:
+                ticket.release()
             self.metrics.requests.labels(status="rejected").inc()
             raise
-        generation = Generation(request, self.deps, ticket, received_at)
-        self._live.add(generation)
-        return generation
+        generations = [
+            Generation(choice, self.deps, ticket, received_at)
+            for choice, ticket in zip(choice_requests(request, request.n), tickets)
+        ]
+        self._live.update(generations)
+        return Choices(generations)
 
     async def drain(self, grace: float) -> None:
         """Refuses new requests, lets those in flight finish for up to ``grace`` seconds, then

@@ -163,7 +163,7 @@ async def _generate(
     )
     try:
         with span.active():
-            generation = core.open(read_fields, getattr(request.state, "key_id", None))
+            generation = core.open_choices(read_fields, getattr(request.state, "key_id", None))
     except BaseException as exc:
         span.end(error=exc)
         raise

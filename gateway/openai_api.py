@@ -9,6 +9,7 @@ carrying the assistant role; the last choice chunk has the finish reason; with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from gateway.choices import Choices, combined_usage
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.events import Finished, TextDelta, Usage
 from gateway.generation import Generation
@@ -76,8 +78,19 @@ def usage_info(usage: Usage) -> UsageInfo:
     )
 
 
-async def complete(generation: Generation, meta: ResponseMeta) -> ChatCompletionResponse | CompletionResponse:
-    """Runs a started generation to the end and returns the whole response."""
+async def complete(choices: Choices, meta: ResponseMeta) -> ChatCompletionResponse | CompletionResponse:
+    """Runs started choices to their ends and returns the whole response."""
+    finished = await asyncio.gather(*(_whole(generation, meta, i) for i, generation in enumerate(choices.generations)))
+    usage = usage_info(combined_usage([usage for _, usage in finished]))
+    if meta.kind == "chat":
+        return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model,
+                                      choices=[choice for choice, _ in finished], usage=usage)
+    return CompletionResponse(id=meta.id, created=meta.created, model=meta.model,
+                              choices=[choice for choice, _ in finished], usage=usage)
+
+
+async def _whole(generation: Generation, meta: ResponseMeta, index: int) -> tuple[BaseModel, Usage]:
+    """One choice run to its end: its choice object and its usage."""
     texts: list[str] = []
     deltas: list[TextDelta] = []
     finished: Finished | None = None
@@ -90,38 +103,40 @@ async def complete(generation: Generation, meta: ResponseMeta) -> ChatCompletion
                 finished = event
     if finished is None:  # events() always ends with Finished or raises; guard the invariant
         raise UpstreamFailure("generation ended without a finish reason")
-    text, usage = "".join(texts), usage_info(finished.usage)
-    reason = finished.finish_reason
+    text, reason = "".join(texts), finished.finish_reason
     if meta.kind == "chat":
-        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=_chat_logprobs(meta, merged(deltas)),
-                            finish_reason=reason)
-        return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
+        logprobs = _chat_logprobs(meta, merged(deltas))
+        return ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
+                          finish_reason=reason), finished.usage
     prompt, echoed = _echo(generation, meta)
     logprobs = _completion_logprobs(meta, deltas, len(prompt), echoed)
-    choice = CompletionChoice(text=prompt + text, logprobs=logprobs, finish_reason=reason)
-    return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
+    return CompletionChoice(index=index, text=prompt + text, logprobs=logprobs, finish_reason=reason), finished.usage
 
 
-async def stream(generation: Generation, meta: ResponseMeta) -> AsyncIterator[str]:
-    """SSE events of a started generation, ``data: [DONE]`` last whatever happens."""
+async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
+    """SSE events of started choices, ``data: [DONE]`` last whatever happens. Each choice's chunks
+    carry its index; the usage chunk (asked for) comes after every choice's finish."""
     try:
-        if meta.kind == "chat":
-            yield _event(_chat_chunk(meta, ChatDelta(role="assistant", content="")))
-        sent = 0  # characters of text streamed so far (a completion's logprobs count offsets in it)
-        if meta.echo:
-            prompt, echoed = _echo(generation, meta)
-            yield _event(_completion_chunk(meta, prompt, logprobs=_completion_logprobs(meta, [], 0, echoed)))
-            sent = len(prompt)
-        async with aclosing(generation.events()) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    if event.text or event.logprobs:  # a token's log-probabilities go out even before its text
-                        yield _event(_text_chunk(meta, event, sent))
-                        sent += len(event.text)
-                    continue
-                yield _event(_finish_chunk(meta, event.finish_reason))
-                if meta.include_usage:
-                    yield _event(_usage_chunk(meta, usage_info(event.usage)))
+        sent = [0] * len(choices.generations)  # characters streamed per choice (completion logprobs' offsets)
+        for i, generation in enumerate(choices.generations):
+            if meta.kind == "chat":
+                yield _event(_chat_chunk(meta, ChatDelta(role="assistant", content=""), index=i))
+            if meta.echo:
+                prompt, echoed = _echo(generation, meta)
+                yield _event(_completion_chunk(meta, prompt, logprobs=_completion_logprobs(meta, [], 0, echoed),
+                                               index=i))
+                sent[i] = len(prompt)
+        usages: list[Usage] = []
+        async for i, event in choices.events():
+            if isinstance(event, TextDelta):
+                if event.text or event.logprobs:  # a token's log-probabilities go out even before its text
+                    yield _event(_text_chunk(meta, event, sent[i], i))
+                    sent[i] += len(event.text)
+                continue
+            yield _event(_finish_chunk(meta, event.finish_reason, i))
+            usages.append(event.usage)
+        if meta.include_usage and len(usages) == len(sent):
+            yield _event(_usage_chunk(meta, usage_info(combined_usage(usages))))
     except GatewayError as exc:
         log.warning("stream %s failed: %s", meta.id, exc.message)
         yield f"data: {json.dumps(exc.to_openai())}\n\n"
@@ -137,26 +152,28 @@ def _event(chunk: BaseModel) -> str:
 
 
 def _chat_chunk(
-    meta: ResponseMeta, delta: ChatDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None
+    meta: ResponseMeta, delta: ChatDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None,
+    index: int = 0,
 ) -> ChatCompletionChunk:
-    choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
     return ChatCompletionChunk(id=meta.id, object="chat.completion.chunk", created=meta.created,
                                model=meta.model, choices=[choice])
 
 
 def _completion_chunk(
-    meta: ResponseMeta, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None
+    meta: ResponseMeta, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None,
+    index: int = 0,
 ) -> CompletionResponse:
-    choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish_reason)
+    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
     return CompletionResponse(id=meta.id, object="text_completion", created=meta.created,
                               model=meta.model, choices=[choice])
 
 
-def _text_chunk(meta: ResponseMeta, delta: TextDelta, sent: int) -> BaseModel:
+def _text_chunk(meta: ResponseMeta, delta: TextDelta, sent: int, index: int) -> BaseModel:
     """A delta's text and its tokens' log-probabilities (``sent``: characters streamed before it)."""
     if meta.kind == "chat":
-        return _chat_chunk(meta, ChatDelta(content=delta.text), logprobs=_chat_logprobs(meta, delta))
-    return _completion_chunk(meta, delta.text, logprobs=_completion_logprobs(meta, [delta], sent))
+        return _chat_chunk(meta, ChatDelta(content=delta.text), logprobs=_chat_logprobs(meta, delta), index=index)
+    return _completion_chunk(meta, delta.text, logprobs=_completion_logprobs(meta, [delta], sent), index=index)
 
 
 def _chat_logprobs(meta: ResponseMeta, delta: TextDelta) -> ChatLogprobs | None:
@@ -188,10 +205,10 @@ def _completion_logprobs(
     return completion_logprobs(meta.strings, found)
 
 
-def _finish_chunk(meta: ResponseMeta, finish_reason: str) -> BaseModel:
+def _finish_chunk(meta: ResponseMeta, finish_reason: str, index: int) -> BaseModel:
     if meta.kind == "chat":
-        return _chat_chunk(meta, ChatDelta(), finish_reason)
-    return _completion_chunk(meta, "", finish_reason)
+        return _chat_chunk(meta, ChatDelta(), finish_reason, index=index)
+    return _completion_chunk(meta, "", finish_reason, index=index)
 
 
 def _usage_chunk(meta: ResponseMeta, usage: UsageInfo) -> BaseModel:

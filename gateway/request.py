@@ -48,6 +48,7 @@ class GenerationRequest:
     top_logprobs: int | None = None
     # The response repeats the prompt, and with top_logprobs its tokens' log-probabilities (completions).
     echo: bool = False
+    n: int = 1  # choices: each a generation of its own (gateway.choices)
 
     @property
     def prompt_logprobs(self) -> bool:

@@ -18,6 +18,8 @@ from gateway.request import GenerationRequest, SamplingParams, Smoothing, Specul
 from gateway.served_model import ServedModel
 from tandem.rpc.types import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
+
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_SPECULATIVE_TOKENS = 64
@@ -58,8 +60,9 @@ class RequestValidator:
 
     def validate(self, fields: RequestFields) -> GenerationRequest:
         self._check_model(fields.model)
-        if fields.n is not None and fields.n != 1:
-            raise InvalidRequest("n must be 1: one choice per request is supported", param="n")
+        n = 1 if fields.n is None else fields.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
         sampling = self._sampling(fields)
         speculation, k = self._speculation(fields)
         stop = self._stop(fields.stop)
@@ -87,6 +90,7 @@ class RequestValidator:
             stream_smoothing=self._smoothing(fields.stream_smoothing),
             top_logprobs=self._top_logprobs(fields.top_logprobs),
             echo=fields.echo,
+            n=n,
         )
 
     @staticmethod

@@ -66,6 +66,7 @@ class ScriptedModel:
         self.token_delay = token_delay
         self.sessions: dict[str, FakeSession] = {}
         self.released: list[str] = []
+        self.prefilled: list[common_pb2.SessionParams] = []  # every Prefill's, in order
         self.rpcs: list[tuple[str, str]] = []  # (rpc name, session id)
         self.speculate_requests: list[draft_pb2.SpeculateRequest] = []
         self.cancelled_speculations: list[str] = []
@@ -89,6 +90,7 @@ class ScriptedModel:
 
     def prefill(self, session_id: str, prompt: list[int], params: common_pb2.SessionParams) -> FakeSession:
         self.rpcs.append(("Prefill", session_id))
+        self.prefilled.append(params)
         session = self.sessions[session_id] = FakeSession(list(prompt), params)
         session.offset = next(
             (n for n in range(len(prompt) - 1, 0, -1) if prompt[-n:] == self.expected_tokens(n, params.ignore_eos)), 0
