@@ -23,6 +23,18 @@ def made_up(position: int) -> float:
     return -0.25 * (position % 4)
 
 
+async def completion(stack, body: dict) -> tuple[str, dict]:
+    """A completion's text and logprobs, streamed chunks joined (``body["stream"]``)."""
+    response = await post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["logprobs"]
+    chunks = [json.loads(data)["choices"][0] for data in sse_data(response.text)[:-1]]
+    parts = [c["logprobs"] for c in chunks if c["logprobs"]]
+    return "".join(c["text"] for c in chunks), {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+
 @pytest.mark.parametrize("speculation", ["on", "off"])
 async def test_chat_gets_each_tokens_logprob_text_and_bytes(stack, tokenizer, speculation):
     body = {"model": model_name(stack), "messages": MESSAGES, "max_tokens": 20, "logprobs": True,
@@ -65,16 +77,7 @@ async def test_a_chat_stream_carries_each_tokens_logprobs_once(stack):
 async def test_completions_get_the_legacy_shape_with_text_offsets(stack, tokenizer, stream):
     body = {"model": model_name(stack), "prompt": "Go", "max_tokens": 16, "logprobs": 1, "ignore_eos": True,
             "stream": stream}
-    response = await post(stack, "/v1/completions", body)
-    assert response.status_code == 200, response.text
-    if stream:
-        chunks = [json.loads(data)["choices"][0] for data in sse_data(response.text)[:-1]]
-        text = "".join(c["text"] for c in chunks)
-        parts = [c["logprobs"] for c in chunks if c["logprobs"]]
-        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
-    else:
-        choice = response.json()["choices"][0]
-        text, logprobs = choice["text"], choice["logprobs"]
+    text, logprobs = await completion(stack, body)
     assert logprobs["token_logprobs"] == [made_up(i) for i in range(16)]
     assert [list(top.values()) for top in logprobs["top_logprobs"]] == [[made_up(i)] for i in range(16)]
     # Each token starts where the text stood when it came: where its text is whole, that is its text.
@@ -130,16 +133,7 @@ async def test_echo_repeats_the_prompt_with_its_tokens_logprobs_as_lm_eval_asks(
     prompt = tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
     body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1,
             "echo": True, "seed": 1234, "stream": stream}
-    response = await post(stack, "/v1/completions", body)
-    assert response.status_code == 200, response.text
-    if stream:
-        chunks = [json.loads(data)["choices"][0] for data in sse_data(response.text)[:-1]]
-        text = "".join(c["text"] for c in chunks)
-        parts = [c["logprobs"] for c in chunks if c["logprobs"]]
-        logprobs = {key: [v for part in parts for v in part[key]] for key in parts[0]}
-    else:
-        choice = response.json()["choices"][0]
-        text, logprobs = choice["text"], choice["logprobs"]
+    text, logprobs = await completion(stack, body)
     assert text == "The quick brown fox" + tokenizer.decode(stack.model.expected_tokens(1))
     values = logprobs["token_logprobs"]
     assert len(values) == len(prompt) + 1 and values[0] is None and logprobs["top_logprobs"][0] is None

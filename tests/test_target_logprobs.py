@@ -102,14 +102,16 @@ def test_each_token_carries_the_models_own_log_softmax_and_its_top_alternatives(
         assert list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
 
 
-def test_speculative_and_autoregressive_sessions_report_the_same_values(loaded) -> None:
-    engine = TargetEngine(loaded)
-    prompt = prompt_ids(6)
+def assert_speculation_reports_what_decoding_does(engine: TargetEngine, prompt: list[int], seed: int) -> None:
     config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, top_logprobs=TOP)
     ar_tokens, ar_logprobs = run_autoregressive(engine, prompt, config)
-    sp_tokens, sp_logprobs = run_speculative(engine, prompt, config, seed=1)
+    sp_tokens, sp_logprobs = run_speculative(engine, prompt, config, seed=seed)
     assert sp_tokens[:NEW] == ar_tokens
     assert_close(sp_logprobs[:NEW], ar_logprobs)
+
+
+def test_speculative_and_autoregressive_sessions_report_the_same_values(loaded) -> None:
+    assert_speculation_reports_what_decoding_does(TargetEngine(loaded), prompt_ids(6), seed=1)
 
 
 def test_sampled_tokens_get_the_distribution_before_temperature(loaded) -> None:
@@ -163,13 +165,7 @@ def test_logprobs_cross_the_wire(loaded) -> None:
 def test_the_quantized_target_reports_the_same_values_speculating_or_not(quantized_gemma) -> None:
     """The served model's own: a target computing on a GGUF file's blocks (every kernel this host
     runs), where a verified block's rows are scored as one-token steps would be."""
-    engine = TargetEngine(quantized_gemma)
-    prompt = prompt_ids(10)
-    config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, top_logprobs=TOP)
-    ar_tokens, ar_logprobs = run_autoregressive(engine, prompt, config)
-    sp_tokens, sp_logprobs = run_speculative(engine, prompt, config, seed=4)
-    assert sp_tokens[:NEW] == ar_tokens
-    assert_close(sp_logprobs[:NEW], ar_logprobs)
+    assert_speculation_reports_what_decoding_does(TargetEngine(quantized_gemma), prompt_ids(10), seed=4)
 
 
 @pytest.mark.parametrize("chunk", [0, 7])
