@@ -21,15 +21,14 @@ class TokenStrings:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         # Byte-level BPE (GPT-2, Llama 3): every piece character stands for one byte.
         self._byte_of = {c: b for b, c in bytes_to_unicode().items()} if "ByteLevel" in repr(decoder) else None
 
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (one instance per served model, kept for its life)
     def of(self, token_id: int) -> tuple[str, tuple[int, ...]]:
-        text = self._tokenizer.decode([token_id])
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        text = self.tokenizer.decode([token_id])
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, str):
             byte = _BYTE_PIECE.fullmatch(piece)
             if byte is not None:

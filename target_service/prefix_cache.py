@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from tandem.token_blocks import BLOCK, block_hashes
 from target_service import kv_cache
 
-MIN_TOKENS = BLOCK  # a shorter shared prefix saves less than the copy and the lookup cost
+MIN_TOKENS = BLOCK  # a shorter shared prefix saves less than the copy and the lookup; every entry has a block
 DEFAULT_POSITIONS = 1 << 16  # the most positions kept when the target has no KV budget
 BUDGET_SHARE = 4  # of a KV budget, entries take at most 1/BUDGET_SHARE
 
@@ -47,8 +47,7 @@ class _Entry:
 
 
 class PrefixCache:
-    def __init__(self, max_positions: int = DEFAULT_POSITIONS, min_tokens: int = MIN_TOKENS) -> None:
-        self.min_tokens = max(min_tokens, 1)
+    def __init__(self, max_positions: int = DEFAULT_POSITIONS) -> None:
         self.max_positions = max_positions
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._holding: dict[int, dict[int, None]] = {}  # block hash -> the entries holding that block
@@ -65,14 +64,14 @@ class PrefixCache:
         if cache is None:
             return
         held = min(kv_cache.cache_length(cache), len(tokens) - 1)
-        if held < self.min_tokens:
+        if held < MIN_TOKENS:
             return
         kv_cache.truncate(cache, held)
         kept = tuple(tokens[:held])
         hashes = block_hashes(kept)
-        # An entry the new one extends says nothing more: it holds the new one's first block (or is
-        # shorter than a block), then only its blocks, then only its tokens.
-        for key in list(self._holding.get(hashes[0], {}) if hashes else ()) + self._short_entries(kept):
+        # An entry the new one extends says nothing more: it holds the new one's first block, then
+        # only its blocks, then only its tokens.
+        for key in list(self._holding.get(hashes[0], {})):
             entry = self._entries[key]
             if (len(entry.tokens) <= held and entry.hashes == hashes[: len(entry.hashes)]
                     and kept[: len(entry.tokens)] == entry.tokens):
@@ -87,7 +86,7 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> tuple[DynamicCache, int] | None:
         """A copy of the cache of the longest kept prefix of ``prompt`` and its length, leaving at least
-        the prompt's last token to prefill (it scores the first generated token); None under ``min_tokens``."""
+        the prompt's last token to prefill (it scores the first generated token); None under :data:`MIN_TOKENS`."""
         limit = len(prompt) - 1
         hashes = block_hashes(prompt[:limit])
         depth = 0
@@ -106,7 +105,7 @@ class PrefixCache:
                 best_key, best = key, common
             if best == end:
                 break
-        if best < self.min_tokens or self._entries[best_key].tokens[:shared] != tuple(prompt[:shared]):
+        if best < MIN_TOKENS or self._entries[best_key].tokens[:shared] != tuple(prompt[:shared]):
             return None  # too short to pay, or a hash collision
         self._entries.move_to_end(best_key)
         return kv_cache.copy_prefix(self._entries[best_key].cache, best), best
@@ -115,10 +114,6 @@ class PrefixCache:
         """Drops the least recently used entries until the rest take at most ``positions``."""
         while self._entries and self.positions > max(0, positions):
             self._remove(next(iter(self._entries)))
-
-    def _short_entries(self, tokens: tuple[int, ...]) -> list[int]:
-        """Entries of less than one block that ``tokens`` may extend (kept only when ``min_tokens`` < BLOCK)."""
-        return [key for key, entry in self._entries.items() if not entry.hashes and entry.tokens[:1] == tokens[:1]]
 
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
