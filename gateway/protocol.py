@@ -3,17 +3,22 @@
 Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, but OpenAI features tandem does not implement (log-probabilities, penalties,
-logit bias, ``echo``, ``suffix``, ``best_of``; on chat, JSON mode and structured output, and tool
-calling) are refused explicitly rather than silently ignored: a client that asks for JSON or a tool
-call and gets free text back has lost what it asked for. Their neutral values (``{"type":
-"text"}``, ``tool_choice: "none"``, an empty bias) are accepted, since some frontends always send them.
+servers commonly do, but OpenAI features tandem does not implement (penalties, logit bias,
+``suffix``, ``best_of``; on chat, tool calling) are refused explicitly rather than silently
+ignored: a client that asks for a tool call and gets free text back has lost what it asked for.
+Their neutral values (``tool_choice: "none"``, an empty bias) are accepted, since some frontends
+always send them.
+
+``response_format`` (structured output) takes OpenAI's ``text``, ``json_object`` and
+``json_schema``, and two of tandem's own, ``{"type": "regex", "regex": ...}`` and ``{"type":
+"grammar", "grammar": ...}`` (EBNF in GBNF notation, rule ``root``), on both endpoints.
 
 Response models mirror OpenAI's objects; the usage object adds ``speculative_decoding``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.validation import PromptInput, RequestFields
-from tandem.rpc.types import MAX_TOP_LOGPROBS
+from tandem.rpc.types import MAX_TOP_LOGPROBS, Grammar, GrammarKind
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -50,6 +55,44 @@ class ChatMessageIn(_StrictBody):
         return ChatMessage(self.role, content)
 
 
+class JsonSchemaFormat(_StrictBody):
+    name: str | None = None
+    description: str | None = None
+    # A JSON Schema document (``schema`` on the wire; the name would shadow pydantic's own).
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is followed exactly either way
+
+
+class ResponseFormat(_StrictBody):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None  # tandem's: for "type": "regex"
+    grammar: str | None = None  # tandem's: for "type": "grammar"
+
+    def to_grammar(self) -> Grammar | None:
+        """The grammar the output must match (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":  # any JSON object
+            return Grammar(GrammarKind.JSON_SCHEMA, '{"type": "object"}')
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequest('response_format "json_schema" needs its json_schema object',
+                                     param="response_format")
+            schema = {} if self.json_schema.json_schema is None else self.json_schema.json_schema  # {}: any JSON
+            return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+        if self.type in ("regex", "grammar"):
+            spec = self.regex if self.type == "regex" else self.grammar
+            if not spec:
+                raise InvalidRequest(f'response_format "{self.type}" needs its {self.type} string',
+                                     param="response_format")
+            return Grammar(GrammarKind.REGEX if self.type == "regex" else GrammarKind.EBNF, spec)
+        raise InvalidRequest(
+            f"response_format type {self.type!r} is not one of text, json_object, json_schema, regex, grammar",
+            param="response_format",
+        )
+
+
 class _GenerationBody(_StrictBody):
     model: str | None = None
     max_tokens: int | None = None
@@ -72,6 +115,7 @@ class _GenerationBody(_StrictBody):
     stream_smoothing: str | None = Field(
         None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
     )
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +130,7 @@ class _GenerationBody(_StrictBody):
                 "logit_bias is not supported by this server; leave it unset or empty", param="logit_bias"
             )
         return RequestFields(
+            grammar=None if self.response_format is None else self.response_format.to_grammar(),
             model=self.model,
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -105,17 +150,12 @@ class _GenerationBody(_StrictBody):
         )
 
 
-class ResponseFormat(_StrictBody):
-    type: str
-
-
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessageIn]
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     # "none", "auto", "required", or {"type": "function", "function": {...}}.
     tool_choice: str | dict | None = None
@@ -123,12 +163,6 @@ class ChatCompletionRequest(_GenerationBody):
     def to_fields(self) -> RequestFields:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest(
-                f"response_format {self.response_format.type!r} is not supported by this server (no JSON mode or "
-                'structured output); leave it unset or {"type": "text"}',
-                param="response_format",
-            )
         if self.tools and self.tool_choice != "none":
             raise InvalidRequest(
                 'tool calling is not supported by this server; leave tools unset or send tool_choice "none"',

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tandem.rpc.types import SamplingParams
+from tandem.rpc.types import Grammar, SamplingParams
 
 
 class Speculation(str, enum.Enum):
@@ -49,6 +49,7 @@ class GenerationRequest:
     # The response repeats the prompt, and with top_logprobs its tokens' log-probabilities (completions).
     echo: bool = False
     n: int = 1  # choices: each a generation of its own (gateway.choices)
+    grammar: Grammar | None = None  # structured output (target_service.grammar)
 
     @property
     def prompt_logprobs(self) -> bool:

@@ -27,6 +27,7 @@ every batch is checked against it (:meth:`TargetSession.check_in_step`), and a s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -85,8 +86,12 @@ class TargetSession:
 
     def params(self) -> SessionParams:
         request = self._request
+        grammar = request.grammar
+        if grammar is not None:  # a session moved or resynced goes on from the text the client has
+            matched = self.prompt_len - len(request.prompt_token_ids)
+            grammar = dataclasses.replace(grammar, matched_prompt_tokens=matched)
         return SessionParams(
-            request.sampling, self.budget, request.ignore_eos, request.stop_token_ids, request.top_logprobs
+            request.sampling, self.budget, request.ignore_eos, request.stop_token_ids, request.top_logprobs, grammar
         )
 
     async def open(self) -> Batch:

@@ -101,7 +101,9 @@ def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Gatewa
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded(f"{where} is at capacity: {details}", code="upstream_overloaded")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(f"{where} refused the request: {details}")
+        # A grammar the target cannot compile is the request's response_format (HTTP's name for it).
+        param = "response_format" if details.startswith("grammar") else None
+        return InvalidRequest(f"{where} refused the request: {details}", param=param)
     return UpstreamFailure(f"{where} failed ({code.name}): {details}", code="upstream_error")
 
 

@@ -16,7 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
-from tandem.rpc.types import MAX_TOP_LOGPROBS
+from tandem.rpc.types import MAX_TOP_LOGPROBS, Grammar
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
 
@@ -51,6 +51,7 @@ class RequestFields:
     # None: no log-probabilities; n: each token's and its n most probable alternatives'.
     top_logprobs: int | None = None
     echo: bool = False  # completions: the response repeats the prompt (with its log-probabilities)
+    grammar: Grammar | None = None  # structured output: the text is a sentence of this grammar
 
 
 class RequestValidator:
@@ -91,7 +92,16 @@ class RequestValidator:
             top_logprobs=self._top_logprobs(fields.top_logprobs),
             echo=fields.echo,
             n=n,
+            grammar=self._grammar(fields),
         )
+
+    @staticmethod
+    def _grammar(fields: RequestFields) -> Grammar | None:
+        """The request's grammar; the target compiles it (and refuses one that does not compile)."""
+        if fields.grammar is not None and fields.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot be combined with structured output: the text ends when it is "
+                                 "complete", param="ignore_eos")
+        return fields.grammar
 
     @staticmethod
     def _top_logprobs(top: int | None) -> int | None:

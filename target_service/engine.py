@@ -38,6 +38,7 @@ from tandem.pass_costs import PassCosts
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
+from target_service.grammar import GrammarCompiler
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.prefix_cache import BUDGET_SHARE, DEFAULT_POSITIONS, PrefixCache
 from target_service.runner import ModelRunner
@@ -120,6 +121,7 @@ class TargetEngine:
             prefix_cache=PrefixCache(budget_tokens // BUDGET_SHARE or DEFAULT_POSITIONS) if prefix_cache else None,
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids)
         self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
         self._report_live(0)
 
@@ -176,6 +178,8 @@ class TargetEngine:
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
         self.store.check_can_add(session_id, kv_tokens(len(prompt_token_ids), config))
+        # (compiled before, off this thread, by the server: then this is a cache lookup)
+        constraint = None if config.grammar is None else self.grammars.constraint(config.grammar, prompt_token_ids)
         # A prompt that begins as an ended session's tokens did starts from a copy of their cache;
         # not where every prompt position's hidden state or score is asked for (they are not kept).
         found = None
@@ -193,6 +197,7 @@ class TargetEngine:
             cache=cache,
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
+            constraint=constraint,
         )
         if prompt_logprobs:
             chunk = min(self.prefill_chunk_tokens or len(prompt_token_ids), PROMPT_LOGPROBS_CHUNK)

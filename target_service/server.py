@@ -68,7 +68,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_engine(context)
-        config = wire.session_config(request.params, request.return_hidden_states)
+        try:
+            config = wire.session_config(request.params, request.return_hidden_states)
+        except InvalidArgument as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if config.grammar is not None:  # compiled here, off the model's thread: its passes go on meanwhile
+            await self._answer(context, asyncio.to_thread(engine.grammars.compile, config.grammar))
         job = await self._call(
             context,
             engine.begin_prefill,

@@ -14,13 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
-from target_service.types import FinishReason, SessionParams
+from target_service.types import FinishReason, Grammar, SessionParams
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 from target_service.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from target_service.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class SessionConfig:
     stop_token_ids: tuple[int, ...] = ()
     return_hidden_states: bool = False
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n most probable
+    grammar: Grammar | None = None  # constrain the output (target_service.grammar)
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -51,6 +56,7 @@ class SessionConfig:
             stop_token_ids=params.stop_token_ids,
             return_hidden_states=return_hidden_states,
             top_logprobs=params.top_logprobs,
+            grammar=params.grammar,
         )
 
 
@@ -82,6 +88,8 @@ class Session:
     sampling: SamplingTensors = field(repr=False)
     last_used: float = 0.0
     finish_reason: FinishReason = FinishReason.NONE
+    # The grammar's state after the generated tokens, where config.grammar is set (target_service.grammar).
+    constraint: Constraint | None = field(default=None, repr=False)
 
     @property
     def committed_len(self) -> int:

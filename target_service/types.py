@@ -14,6 +14,8 @@ import torch
 from tandem.rpc.types import (  # noqa: F401 (re-exported for the target's modules)
     DraftBlock,
     FinishReason,
+    Grammar,
+    GrammarKind,
     SessionParams,
     SparseDist,
     TokenLogprob,

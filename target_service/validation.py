@@ -47,6 +47,9 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
     if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")
+    if config.grammar is not None and config.ignore_eos:
+        raise InvalidArgument("ignore_eos cannot be combined with a grammar: a constrained session ends when its "
+                              "text is complete")
 
 
 def check_prefill(
@@ -57,6 +60,9 @@ def check_prefill(
         raise InvalidArgument("prompt_token_ids is empty")
     check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     check_config(config, vocab_size)
+    if config.grammar is not None and not 0 <= config.grammar.matched_prompt_tokens < len(prompt_token_ids):
+        raise InvalidArgument(f"grammar.matched_prompt_tokens must be in [0, {len(prompt_token_ids)}) (the prompt "
+                              f"has {len(prompt_token_ids)} tokens), got {config.grammar.matched_prompt_tokens}")
     total = len(prompt_token_ids) + config.max_new_tokens
     if total > max_context_len:
         raise InvalidArgument(

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from tandem.rpc import codecs
 from tandem.v1 import common_pb2, target_pb2
+from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
 from target_service.types import DraftBlock, EngineInfo, GenerateResult, PrefillResult, TargetLoad, Verdict
 
 
 def session_config(params: common_pb2.SessionParams, return_hidden_states: bool) -> SessionConfig:
-    return SessionConfig.of(codecs.session_params(params), return_hidden_states)
+    try:
+        return SessionConfig.of(codecs.session_params(params), return_hidden_states)
+    except codecs.WireError as error:
+        raise InvalidArgument(str(error)) from error
 
 
 def draft_block(request: target_pb2.VerifyRequest) -> DraftBlock:

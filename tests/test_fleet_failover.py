@@ -5,6 +5,7 @@ client's tokens are exactly those of a run without the fault."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -19,7 +20,8 @@ from gateway.request import GenerationRequest, SamplingParams, Speculation
 from gateway.served_model import ServedModel
 from gateway_fakes import InMemoryDraft, InMemoryStream, InMemoryTarget, ScriptedModel
 from tandem.telemetry.metrics import make_metrics
-from tandem.v1 import draft_pb2
+from tandem.rpc.types import Grammar, GrammarKind
+from tandem.v1 import common_pb2, draft_pb2
 
 K = 4
 N = 40
@@ -124,6 +126,23 @@ async def test_a_session_moves_to_another_target_and_its_tokens_do_not_change(to
     assert b.released == [prefill] and not b.sessions
     assert lost.sessions == 0 and deps.targets.members["b:1"].sessions == 1  # only the preset one
     assert deps.counters.active_sessions == 0
+
+
+async def test_a_moved_constrained_session_tells_the_new_target_how_much_of_its_text_the_grammar_matched(tokenizer):
+    """Structured output: the new target is prefilled with the prompt and the tokens the client has,
+    and its grammar goes on after those tokens (not from the start of the text)."""
+    a, b = ScriptedModel(tokenizer), ScriptedModel(tokenizer)
+    targets = {"a:1": FlakyTarget(a, "a:1", after=3), "b:1": InMemoryTarget(b)}
+    deps = make_deps(tokenizer, targets, {"d:1": InMemoryDraft(a)})
+    deps.targets.members["b:1"].sessions = 1  # placement picks a:1 first
+    grammar = Grammar(GrammarKind.REGEX, ".*")
+    request = dataclasses.replace(make_request(tokenizer, Speculation.OFF), ignore_eos=False, grammar=grammar)
+    tokens, _ = await run(deps, request)
+    assert tokens == a.expected_tokens(N, ignore_eos=False) and failovers(deps, "unavailable") == 1
+    (first,), (moved,) = a.prefilled, b.prefilled
+    assert (first.grammar.kind, first.grammar.spec, first.grammar.matched_prompt_tokens) == (
+        common_pb2.GRAMMAR_KIND_REGEX, ".*", 0)
+    assert moved.grammar.spec == ".*" and moved.grammar.matched_prompt_tokens == 4  # the first token and 3 more
 
 
 async def test_a_target_lost_under_the_draft_moves_the_session_and_keeps_it_speculating(tokenizer):

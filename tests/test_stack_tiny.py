@@ -6,10 +6,13 @@ rollback and recovered tokens are exercised on every round.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import grpc
 import httpx
+import jsonschema
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -133,6 +136,40 @@ def test_echo_scores_a_prompt_as_the_target_model_does(stack, reference, tiny_di
     assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(expected, abs=1e-4)
     assert [max(top.values()) for top in logprobs["top_logprobs"][1 : len(prompt)]] == pytest.approx(
         want[: len(prompt) - 1].max(dim=-1).values.tolist(), abs=1e-4)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": [
+    "a", "b"]}, "maxItems": 3}}, "required": ["ok", "tags"], "additionalProperties": False}
+
+
+def test_structured_output_follows_the_schema_and_speculation_keeps_the_answer(stack) -> None:
+    """OpenAI's json_schema response_format through draft and target (``on``) and the target alone
+    (``off``): the same JSON, valid under the schema; gRPC's grammar the same; a schema the target
+    cannot compile is a 400 naming response_format, and the stack goes on."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    answers = {}
+    for speculation in ("on", "off"):
+        done = client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "Give me JSON"}], max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}},
+            extra_body={"speculation": speculation})
+        answers[speculation] = done.choices[0].message.content
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answers[speculation]), SCHEMA)
+    assert answers["on"] == answers["off"]
+    grammar = common_pb2.Grammar(kind=common_pb2.GRAMMAR_KIND_REGEX, spec="(yes|no), [0-9]{2}")
+    _, text, chunks = grpc_generate(stack, prompt="Answer:", max_tokens=20, temperature=0.8, seed=3, grammar=grammar)
+    assert re.fullmatch("(yes|no), [0-9]{2}", text) and chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    bad = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "regex", "regex": "(open"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+    assert "regex cannot be compiled" in bad.json()["error"]["message"]
+    # Any object: a random model may still be inside a string when its tokens run out.
+    again = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                           response_format={"type": "json_object"})
+    assert again.choices[0].message.content.startswith("{")
+    if again.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(again.choices[0].message.content), dict)
 
 
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:

@@ -16,6 +16,8 @@ import torch
 from tandem.rpc.types import (
     DraftBlock,
     FinishReason,
+    Grammar,
+    GrammarKind,
     SamplingParams,
     SessionParams,
     SparseDist,
@@ -85,6 +87,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         ignore_eos=message.ignore_eos,
         stop_token_ids=tuple(message.stop_token_ids),
         top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None,
+        grammar=grammar(message.grammar) if message.HasField("grammar") else None,
     )
 
 
@@ -95,6 +98,30 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
         top_logprobs=params.top_logprobs,
+        grammar=None if params.grammar is None else grammar_to_wire(params.grammar),
+    )
+
+
+_GRAMMAR_KIND_TO_WIRE = {
+    GrammarKind.JSON_SCHEMA: common_pb2.GRAMMAR_KIND_JSON_SCHEMA,
+    GrammarKind.REGEX: common_pb2.GRAMMAR_KIND_REGEX,
+    GrammarKind.EBNF: common_pb2.GRAMMAR_KIND_EBNF,
+}
+_GRAMMAR_KIND_FROM_WIRE = {wire: kind for kind, wire in _GRAMMAR_KIND_TO_WIRE.items()}
+
+
+def grammar(message: common_pb2.Grammar) -> Grammar:
+    """A grammar from the wire; an unset or unknown kind is refused (a caller that asked for a
+    constraint this build does not know must not get free text)."""
+    kind = _GRAMMAR_KIND_FROM_WIRE.get(message.kind)
+    if kind is None:
+        raise WireError(f"grammar kind {message.kind} is not one this server knows (json_schema, regex, ebnf)")
+    return Grammar(kind, message.spec, message.matched_prompt_tokens)
+
+
+def grammar_to_wire(value: Grammar) -> common_pb2.Grammar:
+    return common_pb2.Grammar(
+        kind=_GRAMMAR_KIND_TO_WIRE[value.kind], spec=value.spec, matched_prompt_tokens=value.matched_prompt_tokens
     )
 
 

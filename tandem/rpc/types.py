@@ -51,6 +51,31 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class GrammarKind(enum.Enum):
+    """The notation a :class:`Grammar`'s ``spec`` is written in (``tandem.v1.GrammarKind``)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema document: the text is one JSON value it validates
+    REGEX = "regex"  # a regular expression the whole text matches
+    EBNF = "ebnf"  # an EBNF grammar (GBNF notation) whose rule "root" the whole text matches
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a constrained session's generated text must be (structured output).
+
+    The target masks every row it scores to the tokens that keep the text a prefix of a sentence of
+    the grammar and allows an end-of-sequence token only where the text is complete, so a
+    constrained session draws from the target's distribution renormalised over the allowed tokens,
+    speculative or not.
+    """
+
+    kind: GrammarKind
+    spec: str
+    # The prompt's last tokens that are output the grammar has already matched (a session continuing
+    # an earlier one's text on another target or after a resync); 0 for a new generation.
+    matched_prompt_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class SessionParams:
     """What a target session is fixed with at its ``Prefill`` (and the draft is told in ``Speculate``)."""
@@ -65,6 +90,7 @@ class SessionParams:
     # Report each committed token's log-probability and those of the top_logprobs most probable
     # tokens at its position (0..MAX_TOP_LOGPROBS); None: no log-probabilities.
     top_logprobs: int | None = None
+    grammar: Grammar | None = None  # constrain the output to a grammar (structured output)
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
