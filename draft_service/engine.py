@@ -25,6 +25,7 @@ from typing import Protocol
 
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
+from draft_service.guide import GrammarGuide
 from draft_service.hop import HopStats
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.pipeline import PipelinedLoop
@@ -108,6 +109,7 @@ class DraftEngine:
         pipeline_depth: int = 1,
         pipeline_hedges: int = 1,
         pipeline_ahead: str = "measured",
+        guide: GrammarGuide | None = None,
     ) -> None:
         """``park_ttl_s``, ``max_parked``: how long and how many proposer sessions are kept for a
         session's next Speculate call (see :meth:`speculate`). ``block_lengths``: cuts every
@@ -117,7 +119,8 @@ class DraftEngine:
         synchronous loop), sent ahead where the measured hop to their target says it pays
         (draft_service.hop, one per target address); ``pipeline_hedges``: blocks sent ahead on one
         block, each on another of its likely outcomes; ``pipeline_ahead``: "measured" (where the
-        hop makes it pay) or "always"."""
+        hop makes it pay) or "always". ``guide``: constrained sessions draft along their grammar
+        (draft_service.guide; None: unguided)."""
         self.proposer = proposer
         self.target_info = target_info
         self.default_k = default_k
@@ -136,6 +139,7 @@ class DraftEngine:
         self.pipeline_hedges = pipeline_hedges
         self.pipeline_ahead = pipeline_ahead
         self._hops: dict[str, HopStats] = {}
+        self._guide = guide
 
     @property
     def active_sessions(self) -> list[str]:
@@ -175,7 +179,7 @@ class DraftEngine:
         try:
             proposer_session, pending_commit, acceptance = self._resume(spec, target_address)
             if proposer_session is None:
-                proposer_session = await self._worker.run(self.proposer.new_session, spec.token_ids, spec.sampling)
+                proposer_session = await self._worker.run(self._new_session, spec)
             stream = target.open_verify_stream(spec.session_id)
             pipelined = {}
             if self.pipeline_depth > 1:
@@ -235,6 +239,11 @@ class DraftEngine:
             # nothing: the target has freed it already.
             if outcome is _Outcome.ABANDONED and finish_reason is FinishReason.NONE:
                 self._release_later(target, spec.session_id)
+
+    def _new_session(self, spec: SessionSpec) -> ProposerSession:
+        """A proposer session for ``spec`` (on the model thread), guided by its grammar where it has one."""
+        session = self.proposer.new_session(spec.token_ids, spec.sampling)
+        return session if self._guide is None else self._guide.wrap(session, spec)
 
     def _count_pipelined(self, loop: SpeculationLoop) -> None:
         """Adds a pipelined loop's blocks judged since the last count to the metric."""

@@ -22,6 +22,7 @@ import grpc
 from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
+from draft_service.guide import GrammarGuide
 from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.target_client import TargetClient
@@ -89,6 +90,7 @@ async def start_draft(
     pipeline_depth: int = DraftSettings.model_fields["pipeline_depth"].default,
     pipeline_hedges: int = DraftSettings.model_fields["pipeline_hedges"].default,
     pipeline_ahead: str = DraftSettings.model_fields["pipeline_ahead"].default,
+    grammar_tokenizer: str | None = None,
 ) -> RunningDraft:
     """Starts the service in the running event loop and returns once it is SERVING.
 
@@ -97,7 +99,8 @@ async def start_draft(
     ``target_wait_s``; None waits forever) or the proposer's loading error, after stopping what it
     had started. ``security``: the TLS and internal token of its own port and of its calls to the targets.
     The pipeline's defaults are ``tandem draft``'s (``DraftSettings``), so a service started here runs
-    the loop the command runs.
+    the loop the command runs. ``grammar_tokenizer``: the SPEC whose tokenizer (the target's) guides
+    constrained sessions' drafts along their grammar (draft_service.guide); None: unguided.
     """
     targets = TargetRouter(target_address, connect=functools.partial(TargetClient, security=security))
     server = make_server([*security.interceptors(SERVICE_NAME),
@@ -117,6 +120,9 @@ async def start_draft(
         proposer = await worker.run(proposer_factory, target_info)
         check_tokenizers(proposer, target_info)
         await worker.run(proposer.warm_up)
+        guide = None if grammar_tokenizer is None else GrammarGuide(grammar_tokenizer, target_info)
+        if guide is not None:
+            guide.start()
         engine = DraftEngine(
             proposer,
             targets,
@@ -128,6 +134,7 @@ async def start_draft(
             pipeline_depth=pipeline_depth,
             pipeline_hedges=pipeline_hedges,
             pipeline_ahead=pipeline_ahead,
+            guide=guide,
         )
         servicer.attach(engine)
         await health.serving()
@@ -214,6 +221,7 @@ async def _serve_until_signalled(settings: DraftSettings) -> None:
             pipeline_depth=settings.pipeline_depth,
             pipeline_hedges=settings.pipeline_hedges,
             pipeline_ahead=settings.pipeline_ahead,
+            grammar_tokenizer=settings.target_model,
         )
     )
     stopping = asyncio.create_task(stop.wait())

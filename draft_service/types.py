@@ -14,6 +14,7 @@ from tandem.rpc.token_tree import depths
 from tandem.rpc.types import (  # noqa: F401 (Verdict, VerdictStatus: re-exported for the draft's modules)
     DraftBlock,
     FinishReason,
+    Grammar,
     SamplingParams,
     SparseDist,
     TokenLogprob,
@@ -129,6 +130,7 @@ class SessionSpec:
     max_new_tokens: int = 0  # the call ends after the round that streams this many in all; 0 = with the session
     tokenizer_fingerprint: str = ""  # the caller's; empty = not checked
     target_address: str = ""  # the target holding the session ("host:port" of the draft's pool); "" = its first
+    grammar: Grammar | None = None  # a constrained session's grammar: its drafts follow it (draft_service.guide)
 
 
 @dataclass(frozen=True)

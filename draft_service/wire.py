@@ -9,6 +9,7 @@ import torch
 from draft_service.errors import ProtocolError
 from draft_service.types import ProposedBlock, RoundResult, SessionSpec, TargetInfo, Verdict
 from tandem.rpc import codecs
+from tandem.rpc.types import Grammar
 from tandem.v1 import common_pb2, draft_pb2, target_pb2
 
 
@@ -25,7 +26,19 @@ def spec_from_request(request: draft_pb2.SpeculateRequest, default_k: int) -> Se
         max_new_tokens=request.max_new_tokens,
         tokenizer_fingerprint=request.tokenizer_fingerprint,
         target_address=request.target_address,
+        grammar=_grammar(params),
     )
+
+
+def _grammar(params: common_pb2.SessionParams) -> Grammar | None:
+    """The session's grammar; one this build cannot read is left unguided (the target, which
+    holds the session, has judged it already)."""
+    if not params.HasField("grammar"):
+        return None
+    try:
+        return codecs.grammar(params.grammar)
+    except codecs.WireError:
+        return None
 
 
 def speculate_response(result: RoundResult) -> draft_pb2.SpeculateResponse:

@@ -155,7 +155,10 @@ class DraftSettings(_Base):
     )
     draft_model: str = _model_field("draft_model", DEFAULT_DRAFT, DRAFT_HELP)
     target_model: str = _model_field(
-        "target_model", DEFAULT_TARGET, "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head"
+        "target_model",
+        DEFAULT_TARGET,
+        "the target's SPEC: 'eagle' picks its head and reads its embedding and LM head; its tokenizer guides "
+        "constrained sessions' drafts along their grammar",
     )
     target_address: PoolAddresses = Field(
         f"127.0.0.1:{PORTS['target_grpc']}",

@@ -38,7 +38,7 @@ from tandem.pass_costs import PassCosts
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
-from target_service.grammar import GrammarCompiler
+from target_service.grammar import Grammars
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.prefix_cache import BUDGET_SHARE, DEFAULT_POSITIONS, PrefixCache
 from target_service.runner import ModelRunner
@@ -121,7 +121,7 @@ class TargetEngine:
             prefix_cache=PrefixCache(budget_tokens // BUDGET_SHARE or DEFAULT_POSITIONS) if prefix_cache else None,
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
-        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids)
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids)
         self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
         self._report_live(0)
 
@@ -327,8 +327,11 @@ class TargetEngine:
         model_info.check_tokenizer(self.info, fingerprint)
 
     def warmup(self) -> None:
-        """One forward pass and one verification, so the first request pays no lazy set-up."""
+        """One forward pass and one verification, so the first request pays no lazy set-up; and
+        the grammar compiler's tokenizer table (a second with a large vocabulary, much of it
+        holding the interpreter), so the first constrained request does not stall the others."""
         self.runner.warmup()
+        self.grammars.prepare()
 
     # ----------------------------------------------------------------------------- internals
 

@@ -19,81 +19,46 @@ sequence is, so a constrained session stops as soon as its text is whole (it can
 
 from __future__ import annotations
 
-import json
-import logging
-import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from tandem.grammar import GrammarCompiler, GrammarError
 from target_service.errors import InvalidArgument
-from target_service.types import Grammar, GrammarKind
-
-log = logging.getLogger(__name__)
+from target_service.types import Grammar
 
 ROOT = -1  # a draft whose parent is the root (the last committed token)
 
+# (logits [rows, vocab] float32, bitmask [rows, vocab / 32] int32) -> logits with what is not allowed at -inf
+MaskRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-class GrammarCompiler:
-    """Compiles the grammars sessions ask for, against the target's tokenizer (xgrammar).
 
-    The tokenizer's table (about a second for a vocabulary of 262k) is built at the first grammar;
-    compiled grammars are cached by xgrammar, so a schema seen before costs a lookup. Thread-safe:
-    the server compiles off the model's thread before the prefill is queued.
-    """
+class Grammars:
+    """The target's grammar compiler (``tandem.grammar``), its refusals as InvalidArgument."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
+        self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
-        self._eos = list(eos_token_ids)
-        self._compiler: Any = None
-        self._lock = threading.Lock()
 
-    def compile(self, grammar: Grammar) -> Any:
-        """The compiled grammar (an ``xgrammar.CompiledGrammar``); InvalidArgument names what is wrong."""
-        compiler = self._get_compiler()
+    def prepare(self) -> None:
+        """Builds the tokenizer's table now (``tandem.grammar.GrammarCompiler.prepare``)."""
+        self._compiler.prepare()
+
+    def compile(self, grammar: Grammar) -> None:
+        """Compiles ``grammar`` (kept in the cache for the session's prefill) or refuses it; the
+        server calls this off the model's thread."""
         try:
-            if grammar.kind is GrammarKind.JSON_SCHEMA:
-                json.loads(grammar.spec)  # a clear error for text that is not JSON at all
-                # JSON Schema's own meaning (properties a schema does not forbid are allowed), written
-                # compactly: ", " and ": " between items, no other whitespace.
-                return compiler.compile_json_schema(grammar.spec, any_whitespace=False, strict_mode=False)
-            if grammar.kind is GrammarKind.REGEX:
-                return compiler.compile_regex(grammar.spec)
-            return compiler.compile_grammar(grammar.spec)
-        except Exception as error:  # noqa: BLE001 (xgrammar raises RuntimeError/ValueError for a bad spec)
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            raise InvalidArgument(f"grammar: this {grammar.kind.value} cannot be compiled: {message[:500]}") from error
+            self._compiler.compile(grammar)
+        except GrammarError as error:
+            raise InvalidArgument(str(error)) from None
 
     def constraint(self, grammar: Grammar, prompt_token_ids: Sequence[int]) -> Constraint:
-        """A matcher for one session, past the prompt's ``grammar.matched_prompt_tokens`` last tokens."""
-        import xgrammar
-
-        constraint = Constraint(xgrammar.GrammarMatcher(self.compile(grammar)), self.vocab_size)
-        matched = grammar.matched_prompt_tokens
-        if matched:
-            try:
-                constraint.advance(prompt_token_ids[-matched:])
-            except RuntimeError:
-                raise InvalidArgument(f"grammar: the prompt's last {matched} tokens (matched_prompt_tokens) are "
-                                      "not text the grammar allows") from None
-        return constraint
-
-    def _get_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar
-
-                started = time.perf_counter()
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos
-                )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-                log.info("grammar compiler ready in %.2f s (vocabulary %d)", time.perf_counter() - started,
-                         self.vocab_size)
-            return self._compiler
+        """A session's constraint, past the prompt's ``grammar.matched_prompt_tokens`` last tokens."""
+        try:
+            return Constraint(self._compiler.matcher(grammar, prompt_token_ids), self.vocab_size)
+        except GrammarError as error:
+            raise InvalidArgument(str(error)) from None
 
 
 class Constraint:
@@ -109,15 +74,22 @@ class Constraint:
             if not self._matcher.accept_token(int(token)):
                 raise RuntimeError(f"committed token {token} is not one the session's grammar allowed")
 
-    def masked(self, logits: torch.Tensor, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
-               ) -> torch.Tensor:
-        """A copy of ``logits`` [rows, vocab] with the tokens the grammar forbids at -inf: row 0 after
-        the committed tokens, row i + 1 after draft i's path (``parents``: each draft's parent, an
-        earlier draft's index or ``ROOT``; None: a chain). Rows past 1 + len(drafts) are left as
-        they are (there are none but row 0 in a prefill or decode step)."""
+    def masked(
+        self,
+        logits: torch.Tensor,
+        drafts: Sequence[int] = (),
+        parents: Sequence[int] | None = None,
+        mask_rows: MaskRows | None = None,
+    ) -> torch.Tensor:
+        """A copy of ``logits`` [1 + len(drafts), vocab] with the tokens the grammar forbids at -inf:
+        row 0 after the committed tokens, row i + 1 after draft i's path (``parents``: each draft's
+        parent, an earlier draft's index or ``ROOT``; None: a chain). ``mask_rows``: the native op
+        that applies the bitmask (``decoder_ops.cpp``) where the runner has it, else xgrammar's."""
         import xgrammar
 
-        rows = min(logits.shape[0], 1 + len(drafts))
+        rows = 1 + len(drafts)
+        if logits.shape[0] != rows:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(drafts)} drafts")
         bitmask = xgrammar.allocate_token_bitmask(rows, self.vocab_size)  # [rows, vocab / 32] int32, all allowed
         self._matcher.fill_next_token_bitmask(bitmask, 0)
         if parents is None:
@@ -137,6 +109,9 @@ class Constraint:
                 if not self._matcher.is_terminated():  # (after end of sequence the session has ended)
                     self._matcher.fill_next_token_bitmask(bitmask, i + 1)
                     todo += [("visit", child) for child in reversed(children.get(i, []))]
+        bitmask = bitmask.to(logits.device)
+        if mask_rows is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return mask_rows(logits, bitmask)
         out = logits.clone()
-        xgrammar.apply_token_bitmask_inplace(out[:rows], bitmask.to(out.device), vocab_size=self.vocab_size)
+        xgrammar.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size)
         return out

@@ -198,7 +198,7 @@ class Planner:
         if job.done < len(job.prompt):
             return None
         session = job.session
-        allowed = _allowed(session, scores if scores.logits is None else RowScores(logits=scores.logits[-1:]))
+        allowed = self._allowed(session, scores if scores.logits is None else RowScores(logits=scores.logits[-1:]))
         first = acceptance.sample(self.runner.verifier, session, allowed, self.info.vocab_size, self.runner.device)
         self.store.add(session)
         committed, reason = self._cut(session, [first])
@@ -216,8 +216,8 @@ class Planner:
         """Scores of k+1 rows, hidden [k+1, hidden]: row i scores the token after [last committed, *drafts][i]."""
         session, drafts = step.session, step.token_ids[1:]
         accepted, next_token = acceptance.accept_chain(
-            self.runner.verifier, session, block, drafts, _allowed(session, scores, drafts), self.info.vocab_size,
-            self.runner.device,
+            self.runner.verifier, session, block, drafts, self._allowed(session, scores, drafts),
+            self.info.vocab_size, self.runner.device,
         )
         return self._ok_verdict(block, session, len(drafts), drafts[:accepted], next_token, hidden, scores, started)
 
@@ -228,8 +228,8 @@ class Planner:
         token after draft i's path. The accepted path's cache entries move right after the root."""
         session, drafts = planned.step.session, planned.step.token_ids[1:]
         path, next_token = acceptance.accept_tree(
-            self.runner.verifier, session, drafts, planned.parents, _allowed(session, scores, drafts, planned.parents),
-            self.info.vocab_size, self.runner.device,
+            self.runner.verifier, session, drafts, planned.parents,
+            self._allowed(session, scores, drafts, planned.parents), self.info.vocab_size, self.runner.device,
         )
         tree.keep_path(session.cache, session.committed_len - 1, path)
         rows = [0, *(i + 1 for i in path)]  # the root's and the accepted path's rows
@@ -242,7 +242,7 @@ class Planner:
 
     def _finish_decode(self, call: DecodeStep, session: Session, scores: RowScores) -> GenerateResult:
         """The step's token, committed unless its caller went away during the pass."""
-        allowed = _allowed(session, scores)
+        allowed = self._allowed(session, scores)
         token = acceptance.sample(self.runner.verifier, session, allowed, self.info.vocab_size, self.runner.device)
         if call.cancelled():
             kv_cache.truncate(session.cache, session.committed_len - 1)
@@ -251,6 +251,16 @@ class Planner:
         self._commit(session, committed, reason)
         logprobs = _logprobs(session, scores.logits, committed)
         return GenerateResult(tuple(committed), session.committed_len, session.finish_reason, logprobs=logprobs)
+
+    def _allowed(
+        self, session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
+    ) -> RowScores:
+        """The scores a session's tokens are taken from: a constrained session's logits with what its
+        grammar forbids at each row masked out (``target_service.grammar``); the scores as they are
+        otherwise. Log-probabilities stay the model's own, from the unmasked logits."""
+        if session.constraint is None:
+            return scores
+        return RowScores(logits=session.constraint.masked(scores.logits, drafts, parents, self.runner.mask_rows))
 
     # ----------------------------------------------------------------------------- committing
 
@@ -305,17 +315,6 @@ class Planner:
             self.store.finish(session, reason)
         else:
             kv_cache.truncate(session.cache, session.committed_len - 1)
-
-
-def _allowed(
-    session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
-) -> RowScores:
-    """The scores a session's tokens are taken from: a constrained session's logits with what its
-    grammar forbids at each row masked out (``target_service.grammar``); the scores as they are
-    otherwise. Log-probabilities stay the model's own, from the unmasked logits."""
-    if session.constraint is None:
-        return scores
-    return RowScores(logits=session.constraint.masked(scores.logits, drafts, parents))
 
 
 def _logprobs(session: Session, logits: torch.Tensor | None, committed: Sequence[int]) -> tuple[TokenLogprob, ...]:

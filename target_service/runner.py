@@ -26,6 +26,7 @@ from tandem.models import LoadedModel
 from tandem.quant.modules import int8_activations
 from target_service import gemma_pass, kv_cache, ragged
 from target_service.model_info import sliding_window
+from target_service.grammar import MaskRows
 from target_service.session import SamplingTensors, Session, SessionConfig, make_generator
 from target_service.verifier import select_verifier
 
@@ -109,6 +110,8 @@ class ModelRunner:
         self.argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = (
             getattr(lean_pass.ops, "argmax_rows", None) if lean_pass is not None else None
         )
+        # A constrained session's grammar mask applied in one native pass over its rows' logits.
+        self.mask_rows: MaskRows | None = getattr(lean_pass.ops, "mask_rows", None) if lean_pass is not None else None
 
     def screens(self, session: Session) -> bool:
         """Whether the session's tokens come from the screened head: greedy, the runner has one, and

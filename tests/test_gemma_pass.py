@@ -94,6 +94,26 @@ def test_argmax_rows_is_torch_argmax_ties_nan_and_tails_included(ops, width: int
     assert ops.argmax_rows(joined[:, :width]).tolist() == joined[:, :width].argmax(dim=1).tolist()
 
 
+@pytest.mark.parametrize("width", [262144, 37, 1])
+def test_mask_rows_is_xgrammars_bitmask_applied(ops, width: int) -> None:
+    import xgrammar
+
+    x = _randn(5, width, seed=17)
+    words = (width + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (5, words), generator=torch.Generator().manual_seed(18), dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1], bitmask[2] = -1, 0  # a row all allowed, a row all forbidden (words taken whole)
+    bitmask[3, ::2] = -1
+    want = x.clone()
+    xgrammar.apply_token_bitmask_inplace(want, bitmask, vocab_size=width)
+    assert torch.equal(ops.mask_rows(x, bitmask), want)
+    assert torch.equal(reference.mask_rows(x, bitmask), want)
+    joined = _randn(5, 2 * width, seed=19)  # rows of a strided view
+    want = joined[:, :width].clone()
+    xgrammar.apply_token_bitmask_inplace(want, bitmask, vocab_size=width)
+    assert torch.equal(ops.mask_rows(joined[:, :width], bitmask), want)
+
+
 def test_ops_refuse_malformed_arguments(ops) -> None:
     with pytest.raises(RuntimeError, match="640 columns"):
         ops.rms_norm(_randn(2, 64), _randn(640), EPS)
@@ -103,6 +123,8 @@ def test_ops_refuse_malformed_arguments(ops) -> None:
         ops.head_norm_rope(_randn(2, 3, 31), _randn(31), _randn(2, 31), _randn(2, 31), EPS)
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(_randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="ceil"):
+        ops.mask_rows(_randn(2, 64), torch.zeros(2, 3, dtype=torch.int32))
 
 
 def test_references_compute_what_transformers_gemma_modules_do() -> None:

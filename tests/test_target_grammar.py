@@ -22,6 +22,7 @@ from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
 from target_service.types import DraftBlock, FinishReason, Grammar, GrammarKind, VerdictStatus
 from test_target_engine import _prompt as prompt_ids
+from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_tree import random_tree
 
 REGEX = Grammar(GrammarKind.REGEX, "(cat|dog|fish)(s|es)?")
@@ -99,12 +100,12 @@ def test_each_row_allows_exactly_what_keeps_the_text_in_the_language(engine, loa
     # A chain of drafts: "fishes" as the tokenizer spells it, then a token the grammar forbids.
     word = loaded.tokenizer.encode("fishes", add_special_tokens=False)
     chain = [*word, loaded.tokenizer.encode("x", add_special_tokens=False)[0]]
-    masked = constraint.masked(torch.zeros(len(chain) + 2, engine.vocab_size), chain)  # [rows, vocab]
+    masked = constraint.masked(torch.zeros(len(chain) + 1, engine.vocab_size), chain)  # [rows, vocab]
     for row in range(len(word) + 1):
         text = loaded.tokenizer.decode(word[:row])
         assert set(torch.isfinite(masked[row]).nonzero()[:, 0].tolist()) == allowed_after(text, texts, eos), row
     assert masked[len(word)].isfinite().nonzero()[:, 0].tolist() == sorted(eos)  # whole: only the end
-    assert torch.isfinite(masked[len(word) + 1 :]).all()  # below a forbidden draft (or none): left as is
+    assert torch.isfinite(masked[len(word) + 1]).all()  # below a forbidden draft: left as is
     # The walk rolled back: the same rows again; the committed state moves with advance().
     assert torch.equal(constraint.masked(torch.zeros_like(masked), chain), masked)
     constraint.advance(word[:1])
@@ -124,6 +125,19 @@ def test_greedy_output_is_a_word_of_the_language_and_speculation_keeps_it(engine
             jsonschema.validate(json.loads(text), SCHEMA)
         for seed in range(3):
             assert speculate(engine, prompt, config, f"sp{seed}", random.Random(seed), tokens) == tokens
+
+
+def test_the_quantized_target_masks_natively_and_speculation_keeps_its_answer(quantized_gemma) -> None:
+    """The default CPU path (the GGUF's own blocks, the lean pass): the mask is applied by
+    decoder_ops.cpp, and speculative sessions commit what decoding does, token for token."""
+    engine = TargetEngine(quantized_gemma)
+    assert engine.runner.mask_rows is not None
+    config = SessionConfig(max_new_tokens=48, grammar=Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
+    prompt = prompt_ids(60)
+    tokens = decode(engine, prompt, config, "ar")
+    jsonschema.validate(json.loads(quantized_gemma.tokenizer.decode(tokens[:-1])), SCHEMA)
+    for seed in range(3):
+        assert speculate(engine, prompt, config, f"sp{seed}", random.Random(seed), tokens) == tokens
 
 
 def enumerate_texts(loaded, engine: TargetEngine, prompt: list[int], temperature: float) -> dict[str, float]:

@@ -179,6 +179,44 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// logits [rows, n] float32 (each row contiguous), bitmask [rows, ceil(n / 32)] int32 (bit j of word w:
+// token 32 w + j is allowed) -> a contiguous copy of logits with every token not allowed at -inf.
+// What a constrained session's verification scores (target_service/grammar.py): whole words of 32
+// allowed or forbidden tokens, the common case, are copied or filled without looking at their bits.
+at::Tensor mask_rows(const at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be float32 [rows, n], each row contiguous");
+  const int64_t rows = logits.size(0), n = logits.size(1), words = (n + 31) / 32;
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.size(0) == rows && bitmask.size(1) == words,
+              "bitmask must be contiguous int32 [rows, ceil(n / 32)]");
+  at::Tensor out = at::empty({rows, n}, logits.options());
+  const float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  float* o = out.data_ptr<float>();
+  const float forbidden = -__builtin_inff();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = base + r * stride;
+      float* dst = o + r * n;
+      const uint32_t* row_bits = bits + r * words;
+      for (int64_t w = 0; w < words; ++w) {
+        const int64_t start = 32 * w, end = start + 32 < n ? start + 32 : n;
+        const uint32_t word = row_bits[w];
+        if (word == 0xFFFFFFFFu) {
+          for (int64_t j = start; j < end; ++j) dst[j] = src[j];
+        } else if (word == 0u) {
+          for (int64_t j = start; j < end; ++j) dst[j] = forbidden;
+        } else {
+          for (int64_t j = start; j < end; ++j) dst[j] = (word >> (j - start)) & 1u ? src[j] : forbidden;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 #ifndef TANDEM_QUANT_LIBRARY
@@ -193,6 +231,7 @@ TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
   m.def("head_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("mask_rows(Tensor logits, Tensor bitmask) -> Tensor");
 }
 
 TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) {
@@ -201,4 +240,5 @@ TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) {
   m.impl("head_norm_rope", &head_norm_rope);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("mask_rows", &mask_rows);
 }

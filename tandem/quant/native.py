@@ -225,7 +225,8 @@ def load_row_attention(isa: str):
 
 def load_decoder_ops(isa: str):
     """The namespace of decoder_ops.cpp's ops (``rms_norm``, ``add_rms_norm``, ``head_norm_rope``,
-    ``gelu_tanh_mul``) built for ``isa``; raises :class:`KernelUnavailable` where it cannot be built."""
+    ``gelu_tanh_mul``, ``argmax_rows``, ``mask_rows``) built for ``isa``; raises
+    :class:`KernelUnavailable` where it cannot be built."""
     return _load_ops(isa, "decoder")
 
 

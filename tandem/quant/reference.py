@@ -101,3 +101,11 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, n] -> [rows] int64: each row's first largest value's index (NaN counts as largest)."""
     return x.argmax(dim=1)
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [rows, n], bitmask [rows, ceil(n / 32)] int32 (bit j of word w: token 32 w + j allowed)
+    -> a copy of logits with every token not allowed at -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[..., None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)  # [rows, words * 32]
+    return logits.masked_fill(~allowed[:, : logits.shape[1]], float("-inf"))

@@ -1,0 +1,266 @@
+"""Drafts that follow a constrained session's grammar (structured output).
+
+The target masks a constrained session's rows to what its grammar allows
+(``target_service.grammar``), so a draft token the grammar forbids is always rejected, and where the
+grammar leaves one way on (the punctuation and keys of a JSON schema: ``", "age": ``) the target
+can only take it. A :class:`GuidedSession` wraps any proposer session with the same grammar
+(``tandem.grammar``): where the text is forced it proposes the forced text's tokens; elsewhere it
+proposes what the drafter does, cut where the grammar would refuse it (a chain at its first
+forbidden token, a tree's forbidden nodes with their subtrees). Forced drafts are tallied as the
+source ``grammar`` by the block-length policy, like any other source.
+
+A guide never changes what the target commits, only what it is offered. It needs the target's
+tokenizer, loaded in the background at the first constrained session, and each grammar compiled,
+also in the background; until then (or where the tokenizer is not the target's) sessions are
+drafted unguided.
+
+Invariant: the matcher has accepted exactly the longest prefix of the session's tokens (generated
+part, as ``commit`` says, assumed tokens of blocks sent ahead included) that the grammar allows;
+guidance applies only while that is all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from draft_service.proposers.base import ProposerSession
+from draft_service.types import Proposal, SessionSpec, SparseDist, TargetInfo
+from tandem.grammar import GrammarCompiler, GrammarError
+from tandem.rpc.types import Grammar, GrammarKind
+
+log = logging.getLogger(__name__)
+
+SOURCE = "grammar"  # the block-length policy's name for a forced draft
+MAX_GRAMMARS = 32  # grammars remembered as compiled (their compiled forms: tandem.grammar.CACHE_BYTES)
+
+
+class GrammarGuide:
+    """The draft's grammar compiler, for the target's tokenizer (``tokenizer_spec``: the target
+    model's SPEC). Its one background thread loads the tokenizer (from :meth:`start`, or the first
+    constrained session) and compiles each grammar the first time a session brings it (a second
+    or two for a new JSON schema with a large vocabulary): the model thread never waits for
+    either, and a session whose grammar is not compiled yet drafts unguided."""
+
+    def __init__(self, tokenizer_spec: str, target: TargetInfo) -> None:
+        self._spec = tokenizer_spec
+        self._target = target
+        self._compiler: GrammarCompiler | None = None
+        self._tokenizer: Any = None
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-guide")
+        self._lock = threading.Lock()
+        self._loading = False
+        self._compiled: OrderedDict[tuple[GrammarKind, str], bool] = OrderedDict()  # True: compiled; False: refused
+        self._pending: set[tuple[GrammarKind, str]] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self._compiler is not None
+
+    def wrap(self, session: ProposerSession, spec: SessionSpec) -> ProposerSession:
+        """``session`` guided by ``spec.grammar`` where there is one and it is compiled already."""
+        if spec.grammar is None:
+            return session
+        key = (spec.grammar.kind, spec.grammar.spec)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                self._start(key)
+                return session
+            self._compiled.move_to_end(key)
+        if not compiled:
+            return session
+        start = spec.prompt_len - spec.grammar.matched_prompt_tokens  # where the grammar's text begins
+        # A fresh matcher (from xgrammar's cache): the session follows every token from ``start`` itself.
+        matcher = self._compiler.matcher(dataclasses.replace(spec.grammar, matched_prompt_tokens=0), ())
+        return GuidedSession(session, matcher, self._tokenizer, start, spec.token_ids)
+
+    def start(self) -> None:
+        """Starts loading the tokenizer (once): at the service's start, so that the seconds of it
+        that hold the interpreter pass before sessions come."""
+        with self._lock:
+            self._start_loading()
+
+    def _start_loading(self) -> None:
+        if not self._loading:
+            self._loading = True
+            self._background.submit(self._load)
+
+    def _start(self, key: tuple[GrammarKind, str]) -> None:
+        """Queues the tokenizer's loading (once) and ``key``'s compilation (once); under the lock."""
+        self._start_loading()
+        if key not in self._pending:
+            self._pending.add(key)
+            self._background.submit(self._compile, key)
+
+    def _load(self) -> None:
+        from tandem.models import load_tokenizer, tokenizer_fingerprint
+
+        try:
+            tokenizer = load_tokenizer(self._spec)
+            if tokenizer_fingerprint(tokenizer) != self._target.tokenizer_fingerprint:
+                log.warning("constrained sessions draft unguided: the tokenizer of %r is not the target's", self._spec)
+                return
+            compiler = GrammarCompiler(tokenizer, self._target.vocab_size, self._target.eos_token_ids)
+            compiler.prepare()
+        except Exception:  # noqa: BLE001 (guidance is an optimisation: say why and draft unguided)
+            log.exception("constrained sessions draft unguided: the grammar compiler failed to load")
+            return
+        self._tokenizer, self._compiler = tokenizer, compiler
+        log.info("constrained sessions now draft along their grammar")
+
+    def _compile(self, key: tuple[GrammarKind, str]) -> None:
+        if self._compiler is None:  # (not loaded: sessions stay unguided)
+            return
+        try:
+            self._compiler.compile(Grammar(*key))
+            compiled = True
+        except GrammarError as error:  # the target refuses it too
+            log.info("unguided: %s", error)
+            compiled = False
+        with self._lock:
+            self._pending.discard(key)
+            self._compiled[key] = compiled
+            while len(self._compiled) > MAX_GRAMMARS:
+                self._compiled.popitem(last=False)
+
+
+class GuidedSession(ProposerSession):
+    """A proposer session whose drafts follow the session's grammar."""
+
+    def __init__(self, inner: ProposerSession, matcher: Any, tokenizer: Any, start: int,
+                 token_ids: Sequence[int]) -> None:
+        self.inner = inner
+        self._matcher = matcher
+        self._tokenizer = tokenizer
+        self._start = start  # index of the grammar's first token in the session's sequence
+        self._tokens: list[int] = []  # the session's tokens from ``start`` on
+        self._matched = 0  # how many of them the matcher has accepted
+        self._follow(list(token_ids[start:]))
+
+    def propose(self, max_tokens: int) -> Proposal:
+        if self._matched < len(self._tokens) or max_tokens <= 0:
+            return self.inner.propose(max_tokens)  # past a token the grammar refuses: nothing to follow
+        forced = self._forced(max_tokens)
+        if forced:
+            return Proposal(token_ids=tuple(forced), sources=(SOURCE,) * len(forced))
+        return self._allowed(self.inner.propose(max_tokens), max_tokens)
+
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: Any = None) -> None:
+        self.inner.commit(base_len, token_ids, hidden_states)
+        self._follow(self._tokens[: max(0, base_len - self._start)] + list(token_ids))
+
+    def next_tokens(self, n: int) -> tuple[int, ...]:
+        if n > 0 and self._matched == len(self._tokens):
+            forced = self._forced(1)
+            if forced:
+                return tuple(forced)
+        return self.inner.next_tokens(n)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _follow(self, tokens: list[int]) -> None:
+        """The session's tokens (from ``start``) are now ``tokens``: roll back past where they part
+        from what was matched, then match as many of the new ones as the grammar allows."""
+        same = 0
+        while same < min(self._matched, len(tokens)) and self._tokens[same] == tokens[same]:
+            same += 1
+        if self._matched > same:
+            self._matcher.rollback(self._matched - same)
+        self._matched, self._tokens = same, tokens
+        while self._matched < len(tokens) and not self._matcher.is_terminated():
+            if not self._matcher.accept_token(int(tokens[self._matched])):
+                break
+            self._matched += 1
+
+    def _forced(self, max_tokens: int) -> list[int]:
+        """The tokens of the text the grammar forces next (as the tokenizer spells it), as many as it allows."""
+        forced = self._accept_forced(max_tokens)
+        if forced:
+            self._matcher.rollback(len(forced))
+        return forced
+
+    def _accept_forced(self, max_tokens: int) -> list[int]:
+        """:meth:`_forced`'s tokens, left accepted by the matcher."""
+        if max_tokens <= 0 or self._matcher.is_terminated():
+            return []
+        text = self._matcher.find_jump_forward_string()
+        return self._accept(self._tokenizer.encode(text, add_special_tokens=False)[:max_tokens]) if text else []
+
+    def _accept(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the grammar allows, left accepted by the matcher."""
+        taken = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            taken += 1
+        return list(tokens[:taken])
+
+    def _allowed(self, proposal: Proposal, max_tokens: int) -> Proposal:
+        """The proposal without what the grammar refuses, then the text the grammar forces after it
+        (so the punctuation after a drafted value rides in the same block): a chain up to its first
+        forbidden token, a tree without its forbidden nodes and their subtrees (renumbered), the
+        forced text under each leaf while the tree has fewer than ``max_tokens`` nodes."""
+        if not proposal.parents:
+            kept = self._accept(proposal.token_ids)
+            forced = self._accept_forced(max_tokens - len(kept))
+            if len(kept) + len(forced):
+                self._matcher.rollback(len(kept) + len(forced))
+            if not forced and len(kept) == len(proposal.token_ids):
+                return proposal
+            n = len(kept)
+            return Proposal(
+                token_ids=(*proposal.token_ids[:n], *forced),
+                # q of a forced token: certain (the drafter chose it as surely as the grammar does)
+                probs=(*proposal.probs[:n], *(SparseDist((t,), (1.0,)) for t in forced)) if proposal.probs else (),
+                sources=(*proposal.sources[:n], *(SOURCE,) * len(forced)) if proposal.sources else (),
+                shape=proposal.shape,
+            )
+        kept = self._allowed_nodes(proposal.token_ids, proposal.parents)
+        index = {old: new for new, old in enumerate(kept)}
+        tokens = [proposal.token_ids[i] for i in kept]
+        parents = [-1 if proposal.parents[i] < 0 else index[proposal.parents[i]] for i in kept]
+        sources = [proposal.sources[i] for i in kept] if proposal.sources else []
+        budget = max_tokens - len(tokens)  # a tree's drafts count, all its nodes, against max_tokens
+        for leaf in [i for i in range(len(kept)) if i not in set(parents)]:
+            path = [leaf]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            self._accept([tokens[i] for i in reversed(path)])  # allowed: kept nodes' paths are
+            forced = self._accept_forced(min(budget, max_tokens - len(path)))
+            self._matcher.rollback(len(path) + len(forced))
+            for token in forced:
+                parents.append(leaf)
+                leaf = len(tokens)
+                tokens.append(token)
+            sources += [SOURCE] * len(forced) if proposal.sources else []
+            budget -= len(forced)
+        if len(tokens) == len(kept) == len(proposal.token_ids):
+            return proposal
+        return Proposal(token_ids=tuple(tokens), sources=tuple(sources), parents=tuple(parents), shape=proposal.shape)
+
+    def _allowed_nodes(self, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+        """The tree's nodes whose whole path the grammar allows, in their order (depth first, with
+        the matcher rolled back after each node's subtree)."""
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        kept: list[int] = []
+        todo: list[tuple[bool, int]] = [(True, i) for i in reversed(children.get(-1, []))]
+        while todo:
+            visit, i = todo.pop()
+            if not visit:
+                self._matcher.rollback(1)
+            elif not self._matcher.is_terminated() and self._matcher.accept_token(int(tokens[i])):
+                kept.append(i)
+                todo.append((False, i))
+                todo += [(True, child) for child in reversed(children.get(i, []))]
+        return sorted(kept)

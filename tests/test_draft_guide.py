@@ -1,0 +1,159 @@
+"""Drafts guided by a constrained session's grammar (draft_service.guide): forced text proposed as
+the target will have to take it, the drafter's proposals cut where the grammar refuses them, and
+the matcher kept in step with commits that roll back (blocks sent ahead)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from draft_service.guide import SOURCE, GrammarGuide, GuidedSession
+from draft_service.proposers.base import ProposerSession
+from draft_service.types import Proposal, SamplingParams, SessionSpec, SparseDist, TargetInfo
+from tandem.grammar import GrammarCompiler
+from tandem.models import load_tokenizer, tokenizer_fingerprint
+from tandem.rpc.types import Grammar, GrammarKind
+
+SCHEMA = Grammar(GrammarKind.JSON_SCHEMA, json.dumps({
+    "type": "object", "properties": {"name": {"type": "string"}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"], "additionalProperties": False}))
+
+
+class Scripted(ProposerSession):
+    """Proposes what it is told; records commits."""
+
+    def __init__(self) -> None:
+        self.next = Proposal()
+        self.commits: list[tuple[int, list[int]]] = []
+
+    def propose(self, max_tokens: int) -> Proposal:
+        return self.next
+
+    def commit(self, base_len: int, token_ids: Sequence[int], hidden_states=None) -> None:
+        self.commits.append((base_len, list(token_ids)))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return load_tokenizer(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def guided(compiler, tokenizer, prompt: list[int], generated: list[int] = ()) -> tuple[GuidedSession, Scripted]:
+    inner = Scripted()
+    return GuidedSession(inner, compiler.matcher(SCHEMA, ()), tokenizer, len(prompt), prompt + list(generated)), inner
+
+
+def test_forced_text_is_proposed_as_the_tokenizer_spells_it(compiler, tokenizer) -> None:
+    session, inner = guided(compiler, tokenizer, [5, 6, 7])
+    inner.next = Proposal(token_ids=tuple(ids(tokenizer, "hello")))  # never asked: the text is forced
+    proposal = session.propose(16)
+    assert tokenizer.decode(proposal.token_ids) == '{"name": "'
+    assert proposal.sources == (SOURCE,) * len(proposal.token_ids) and not proposal.probs
+    assert len(session.propose(2).token_ids) == 2  # as many as asked for
+
+
+def test_a_chain_is_cut_at_its_first_forbidden_token_and_followed_by_the_forced_text(compiler, tokenizer) -> None:
+    start = ids(tokenizer, '{"name": "')
+    session, inner = guided(compiler, tokenizer, [5], start)
+    good = ids(tokenizer, 'ab"')
+    bad = ids(tokenizer, "}")  # a string ends with ", then comes the next key: } is refused
+    chain = (*good, *bad, *ids(tokenizer, "x"))
+    inner.next = Proposal(token_ids=chain, probs=tuple(SparseDist((t,), (1.0,)) for t in chain),
+                          sources=("head:0.9",) * len(chain))
+    proposal = session.propose(16)
+    n = len(good)
+    assert proposal.token_ids[:n] == tuple(good) and tokenizer.decode(proposal.token_ids[n:]) == ', "ok": '
+    assert proposal.sources == ("head:0.9",) * n + (SOURCE,) * (len(proposal.token_ids) - n)
+    assert [q.token_ids for q in proposal.probs] == [(t,) for t in proposal.token_ids]  # forced: q certain
+    assert len(session.propose(n + 1).token_ids) == n + 1  # no more than asked for
+    inner.next = Proposal(token_ids=tuple(ids(tokenizer, "ab")))
+    assert session.propose(8) is inner.next  # nothing refused, nothing forced after it: as it was
+
+
+def test_a_tree_loses_its_forbidden_nodes_and_gains_the_forced_text_under_its_leaves(compiler, tokenizer) -> None:
+    session, inner = guided(compiler, tokenizer, [5], ids(tokenizer, '{"name": "'))
+    a, quote, newline, b = (ids(tokenizer, s)[0] for s in ("a", '"', "\n", "b"))
+    #  root -> a -> quote -> newline (refused: after '"a"' comes ", ")
+    #       -> newline (refused: no raw control character in a JSON string) -> b (its subtree)
+    #       -> b
+    inner.next = Proposal(token_ids=(a, quote, newline, newline, b, b), parents=(-1, 0, 1, -1, 3, -1),
+                          sources=("s0", "s1", "s2", "s3", "s4", "s5"))
+    proposal = session.propose(16)
+    assert proposal.token_ids[:3] == (a, quote, b) and proposal.parents[:3] == (-1, 0, -1)
+    assert proposal.sources[:3] == ("s0", "s1", "s5")
+    # Under the leaf '"a"' the text the grammar forces, as a chain (under "b", still in the string: none).
+    forced = proposal.token_ids[3:]
+    assert tokenizer.decode(forced) == ', "ok": ' and proposal.sources[3:] == (SOURCE,) * len(forced)
+    assert proposal.parents[3:] == (1, *range(3, 3 + len(forced) - 1))
+    assert len(session.propose(4).token_ids) == 4  # never more drafts than asked for, nodes of a tree included
+
+
+def test_commits_that_roll_back_keep_the_matcher_in_step(compiler, tokenizer) -> None:
+    """A pipelined loop commits assumed tokens and later a verdict from an earlier base: the
+    session then proposes what a session made fresh on the final tokens proposes."""
+    prompt = [5, 6]
+    text = ids(tokenizer, '{"name": "ab", "ok": true}')
+    session, inner = guided(compiler, tokenizer, prompt)
+    session.commit(2, text[:4])
+    refused = ids(tokenizer, "\n")[0]  # no raw control character in a JSON string
+    session.commit(6, [refused])  # an assumed guess the grammar refuses: guidance pauses
+    inner.next = Proposal(token_ids=(9, 9))
+    assert session.propose(4) is inner.next
+    session.commit(2 + 3, text[3:6])  # the verdict: from an earlier base, other tokens
+    fresh, _ = guided(compiler, tokenizer, prompt, text[:6])
+    assert session.propose(8) == fresh.propose(8)
+    assert inner.commits == [(2, text[:4]), (6, [refused]), (5, text[3:6])]
+
+
+def spec(token_ids: Sequence[int], prompt_len: int, grammar: Grammar | None) -> SessionSpec:
+    return SessionSpec("s", tuple(token_ids), prompt_len, SamplingParams(), 4, grammar=grammar)
+
+
+def test_the_guide_loads_in_the_background_and_wraps_only_constrained_sessions(tiny_dir, tokenizer) -> None:
+    target = TargetInfo("tiny", len(tokenizer), tokenizer_fingerprint(tokenizer),
+                        eos_token_ids=(tokenizer.eos_token_id,))
+    guide = GrammarGuide(str(tiny_dir), target)
+    inner = Scripted()
+    # Not loaded yet: unguided, while the tokenizer loads and the grammar compiles in the background.
+    assert guide.wrap(inner, spec([5, 6], 2, SCHEMA)) is inner
+    deadline = time.monotonic() + 60
+    while guide.wrap(inner, spec([5, 6], 2, SCHEMA)) is inner and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert guide.ready and isinstance(guide.wrap(inner, spec([5, 6], 2, SCHEMA)), GuidedSession)
+    assert guide.wrap(inner, spec([5, 6], 2, None)) is inner
+    other = Grammar(GrammarKind.REGEX, "(yes|no)")  # a grammar seen for the first time: unguided until compiled
+    assert guide.wrap(inner, spec([5, 6], 2, other)) is inner
+    bad = Grammar(GrammarKind.REGEX, "(open")  # one that does not compile: unguided for good
+    for _ in range(3):
+        assert guide.wrap(inner, spec([5], 1, bad)) is inner
+        time.sleep(0.2)
+    # A session moved to this target with its text so far: the grammar starts at the matched tokens.
+    text = ids(tokenizer, '{"name": "ab", ')
+    moved = dataclasses.replace(SCHEMA, matched_prompt_tokens=len(text))
+    wrapped = guide.wrap(inner, spec([5, 6, *text], 2 + len(text), moved))
+    assert tokenizer.decode(wrapped.propose(8).token_ids) == '"ok": '
+
+
+def test_a_tokenizer_that_is_not_the_targets_leaves_sessions_unguided(tiny_dir, tokenizer) -> None:
+    target = TargetInfo("other", len(tokenizer), "another-fingerprint", eos_token_ids=(tokenizer.eos_token_id,))
+    guide = GrammarGuide(str(tiny_dir), target)
+    inner = Scripted()
+    guide.wrap(inner, spec([5], 1, SCHEMA))
+    time.sleep(1.0)
+    assert not guide.ready and guide.wrap(inner, spec([5], 1, SCHEMA)) is inner
