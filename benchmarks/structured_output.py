@@ -10,7 +10,8 @@ under the schema, and whether the speculative and the autoregressive answers agr
 first request (which compiles it) is timed apart and not counted.
 
     tandem serve &   # or any stack
-    python benchmarks/structured_output.py --url http://127.0.0.1:8000 --max-tokens 96
+    python benchmarks/structured_output.py --url http://127.0.0.1:8000 --max-tokens 96 \
+        [--peer-url http://127.0.0.1:8080]   # e.g. llama-server on the same GGUF
 """
 
 from __future__ import annotations
@@ -118,26 +119,43 @@ def valid(content: str, schema: dict) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--peer-url", help="another OpenAI-compatible server (llama-server, say): its json_schema "
+                                           "answers to the same tasks, interleaved, as the lane 'peer'")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--show", action="store_true", help="print each constrained answer")
     parser.add_argument("--settle", type=float, default=6.0,
                         help="seconds for the draft to compile the schemas before the measured requests")
     args = parser.parse_args()
     lanes = [(mode, constrained) for mode in ("on", "off") for constrained in (False, True)]
+    clients = {mode: httpx.Client(base_url=args.url, timeout=600) for mode in ("on", "off")}
+    if args.peer_url:
+        lanes.append(("peer", True))
+        # (a connection per request: llama-server closes idle ones, which a reused one would meet mid-request)
+        clients["peer"] = httpx.Client(base_url=args.peer_url, timeout=600,
+                                       limits=httpx.Limits(max_keepalive_connections=0))
     answers: dict[tuple, list[Answer]] = {lane: [] for lane in lanes}
-    with httpx.Client(base_url=args.url, timeout=600) as client:
-        # Each schema's first request compiles it (target and draft): a one-time cost, shown apart.
-        for name, schema in (("person", PERSON), ("order", ORDER), ("event", EVENT)):
-            text = next(text for s, text in TASKS if s is schema)
-            first, again = (ask(client, schema, text, "off", True, 1).seconds for _ in range(2))
-            print(f"first request with the {name} schema: {first:.2f} s, the next {again:.2f} s")
-            ask(client, schema, text, "on", True, 8)  # the draft's first: it compiles the schema in the background
-        time.sleep(args.settle)
-        for i, (schema, text) in enumerate(TASKS):
-            for lane in lanes if i % 2 == 0 else reversed(lanes):
-                answers[lane].append(ask(client, schema, text, *lane, args.max_tokens))
-            if args.show:
-                print(f"{text[:50]!r} -> {answers[('on', True)][-1].content}")
+    # Each schema's first request compiles it (target and draft): a one-time cost, shown apart.
+    for name, schema in (("person", PERSON), ("order", ORDER), ("event", EVENT)):
+        text = next(text for s, text in TASKS if s is schema)
+        first, again = (ask(clients["off"], schema, text, "off", True, 1).seconds for _ in range(2))
+        print(f"first request with the {name} schema: {first:.2f} s, the next {again:.2f} s")
+        ask(clients["on"], schema, text, "on", True, 8)  # the draft's first: it compiles the schema in the background
+        if args.peer_url:
+            ask(clients["peer"], schema, text, "off", True, 8)
+    time.sleep(args.settle)
+    for i, (schema, text) in enumerate(TASKS):
+        for mode, constrained in lanes if i % 2 == 0 else reversed(lanes):
+            # (a peer ignores tandem's fields: "speculation" and "stream_smoothing")
+            answers[mode, constrained].append(
+                ask(clients[mode], schema, text, "off" if mode == "peer" else mode, constrained, args.max_tokens))
+        if args.show:
+            print(f"{text[:50]!r} -> {answers[('on', True)][-1].content}")
+    for client in clients.values():
+        client.close()
+    report(answers)
+
+
+def report(answers: dict[tuple, list[Answer]]) -> None:
     whole = {lane: sum(a.tokens for a in got) / sum(a.seconds for a in got) for lane, got in answers.items()}
     decode = {lane: sum(a.tokens - 1 for a in got) / sum(a.seconds - a.first_token_s for a in got)
               for lane, got in answers.items()}
@@ -153,6 +171,11 @@ def main() -> None:
               f"{rate[('off', True)] / rate[('off', False)]:.2f}x")
     agreed = sum(a.content == b.content for a, b in zip(answers[("on", True)], answers[("off", True)]))
     print(f"speculative and autoregressive json_schema answers identical: {agreed} of {len(TASKS)}")
+    # Per answer, since servers format JSON differently (tandem compactly, others often indented).
+    for lane in [lane for lane in answers if lane[1]]:
+        got = answers[lane]
+        print(f"json_schema answers, {lane[0]}: {sum(a.seconds for a in got) / len(got) * 1e3:.0f} ms each, "
+              f"{sum(a.tokens for a in got) / len(got):.1f} tokens, {valid_count[lane]}/{len(TASKS)} valid")
 
 
 if __name__ == "__main__":
