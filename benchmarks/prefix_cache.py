@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import httpx
+from chat_stream import stream_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT.parent / "shared" / "bench" / "prompts.jsonl"
@@ -28,22 +28,9 @@ PROMPTS = ROOT.parent / "shared" / "bench" / "prompts.jsonl"
 
 def turn(client: httpx.Client, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """(seconds to the first token, the answer, the usage) of one streamed chat request."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    started, first, text, usage = time.perf_counter(), None, [], {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if choice["delta"].get("content"):
-                    first = first or time.perf_counter()
-                    text.append(choice["delta"]["content"])
-    return (first or time.perf_counter()) - started, "".join(text), usage
+    done = stream_chat(client, {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}})
+    return done.first_token_s, done.text, done.usage
 
 
 def main() -> None:

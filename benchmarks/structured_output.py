@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 
 import httpx
 import jsonschema
+from chat_stream import StreamedChat, stream_chat
 
 PERSON = {
     "type": "object",
@@ -70,15 +70,8 @@ TASKS = [
 ]
 
 
-@dataclass
-class Answer:
-    seconds: float  # the whole request
-    first_token_s: float  # until the first content
-    tokens: int
-    content: str
-
-
-def ask(client: httpx.Client, schema: dict, text: str, speculation: str, constrained: bool, max_tokens: int) -> Answer:
+def ask(client: httpx.Client, schema: dict, text: str, speculation: str, constrained: bool,
+        max_tokens: int) -> StreamedChat:
     fields = ", ".join(schema["properties"])
     body = {
         "messages": [{"role": "user", "content": f"Extract {fields} from the text below and answer with one JSON "
@@ -88,21 +81,11 @@ def ask(client: httpx.Client, schema: dict, text: str, speculation: str, constra
     }
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "extract", "schema": schema}}
-    started = time.perf_counter()
-    first, parts, tokens = None, [], 0
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            for choice in chunk["choices"]:
-                if choice["delta"].get("content"):
-                    first = first if first is not None else time.perf_counter() - started
-                    parts.append(choice["delta"]["content"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return Answer(time.perf_counter() - started, first or 0.0, tokens, "".join(parts))
+    return stream_chat(client, body)
+
+
+def tokens(answer: StreamedChat) -> int:
+    return answer.usage["completion_tokens"]
 
 
 def valid(content: str, schema: dict) -> bool:
@@ -133,7 +116,7 @@ def main() -> None:
         # (a connection per request: llama-server closes idle ones, which a reused one would meet mid-request)
         clients["peer"] = httpx.Client(base_url=args.peer_url, timeout=600,
                                        limits=httpx.Limits(max_keepalive_connections=0))
-    answers: dict[tuple, list[Answer]] = {lane: [] for lane in lanes}
+    answers: dict[tuple, list[StreamedChat]] = {lane: [] for lane in lanes}
     # Each schema's first request compiles it (target and draft): a one-time cost, shown apart.
     for name, schema in (("person", PERSON), ("order", ORDER), ("event", EVENT)):
         text = next(text for s, text in TASKS if s is schema)
@@ -149,17 +132,17 @@ def main() -> None:
             answers[mode, constrained].append(
                 ask(clients[mode], schema, text, "off" if mode == "peer" else mode, constrained, args.max_tokens))
         if args.show:
-            print(f"{text[:50]!r} -> {answers[('on', True)][-1].content}")
+            print(f"{text[:50]!r} -> {answers[('on', True)][-1].text}")
     for client in clients.values():
         client.close()
     report(answers)
 
 
-def report(answers: dict[tuple, list[Answer]]) -> None:
-    whole = {lane: sum(a.tokens for a in got) / sum(a.seconds for a in got) for lane, got in answers.items()}
-    decode = {lane: sum(a.tokens - 1 for a in got) / sum(a.seconds - a.first_token_s for a in got)
+def report(answers: dict[tuple, list[StreamedChat]]) -> None:
+    whole = {lane: sum(map(tokens, got)) / sum(a.seconds for a in got) for lane, got in answers.items()}
+    decode = {lane: sum(tokens(a) - 1 for a in got) / sum(a.seconds - a.first_token_s for a in got)
               for lane, got in answers.items()}
-    valid_count = {lane: sum(valid(a.content, schema) for a, (schema, _) in zip(got, TASKS))
+    valid_count = {lane: sum(valid(a.text, schema) for a, (schema, _) in zip(got, TASKS))
                    for lane, got in answers.items()}
     for mode in ("on", "off"):
         print(f"{mode:>3}: free text {whole[(mode, False)]:6.1f} tok/s, decoding {decode[(mode, False)]:6.1f} "
@@ -169,13 +152,13 @@ def report(answers: dict[tuple, list[Answer]]) -> None:
         print(f"on/off, {name}: json_schema {rate[('on', True)] / rate[('off', True)]:.2f}x, free text "
               f"{rate[('on', False)] / rate[('off', False)]:.2f}x; json_schema/free text off "
               f"{rate[('off', True)] / rate[('off', False)]:.2f}x")
-    agreed = sum(a.content == b.content for a, b in zip(answers[("on", True)], answers[("off", True)]))
+    agreed = sum(a.text == b.text for a, b in zip(answers[("on", True)], answers[("off", True)]))
     print(f"speculative and autoregressive json_schema answers identical: {agreed} of {len(TASKS)}")
     # Per answer, since servers format JSON differently (tandem compactly, others often indented).
     for lane in [lane for lane in answers if lane[1]]:
         got = answers[lane]
         print(f"json_schema answers, {lane[0]}: {sum(a.seconds for a in got) / len(got) * 1e3:.0f} ms each, "
-              f"{sum(a.tokens for a in got) / len(got):.1f} tokens, {valid_count[lane]}/{len(TASKS)} valid")
+              f"{sum(map(tokens, got)) / len(got):.1f} tokens, {valid_count[lane]}/{len(TASKS)} valid")
 
 
 if __name__ == "__main__":
