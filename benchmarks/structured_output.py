@@ -71,12 +71,12 @@ TASKS = [
 
 
 def ask(client: httpx.Client, schema: dict, text: str, speculation: str, constrained: bool,
-        max_tokens: int) -> StreamedChat:
+        max_tokens: int, temperature: float = 0.0) -> StreamedChat:
     fields = ", ".join(schema["properties"])
     body = {
         "messages": [{"role": "user", "content": f"Extract {fields} from the text below and answer with one JSON "
                                                  f"object only.\n\nText: {text}"}],
-        "max_tokens": max_tokens, "temperature": 0, "speculation": speculation, "stream": True,
+        "max_tokens": max_tokens, "temperature": temperature, "speculation": speculation, "stream": True,
         "stream_options": {"include_usage": True}, "stream_smoothing": "off",
     }
     if constrained:
@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--peer-url", help="another OpenAI-compatible server (llama-server, say): its json_schema "
                                            "answers to the same tasks, interleaved, as the lane 'peer'")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="1.0 is what the OpenAI SDK sends when a request names none")
     parser.add_argument("--show", action="store_true", help="print each constrained answer")
     parser.add_argument("--settle", type=float, default=6.0,
                         help="seconds for the draft to compile the schemas before the measured requests")
@@ -130,7 +132,8 @@ def main() -> None:
         for mode, constrained in lanes if i % 2 == 0 else reversed(lanes):
             # (a peer ignores tandem's fields: "speculation" and "stream_smoothing")
             answers[mode, constrained].append(
-                ask(clients[mode], schema, text, "off" if mode == "peer" else mode, constrained, args.max_tokens))
+                ask(clients[mode], schema, text, "off" if mode == "peer" else mode, constrained, args.max_tokens,
+                    args.temperature))
         if args.show:
             print(f"{text[:50]!r} -> {answers[('on', True)][-1].text}")
     for client in clients.values():
@@ -153,7 +156,7 @@ def report(answers: dict[tuple, list[StreamedChat]]) -> None:
               f"{rate[('on', False)] / rate[('off', False)]:.2f}x; json_schema/free text off "
               f"{rate[('off', True)] / rate[('off', False)]:.2f}x")
     agreed = sum(a.text == b.text for a, b in zip(answers[("on", True)], answers[("off", True)]))
-    print(f"speculative and autoregressive json_schema answers identical: {agreed} of {len(TASKS)}")
+    print(f"speculative and autoregressive json_schema answers identical: {agreed} of {len(TASKS)} (greedy: all)")
     # Per answer, since servers format JSON differently (tandem compactly, others often indented).
     for lane in [lane for lane in answers if lane[1]]:
         got = answers[lane]
