@@ -16,7 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
-from tandem.rpc.types import MAX_TOP_LOGPROBS, Grammar
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, Grammar
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
 
@@ -101,6 +101,10 @@ class RequestValidator:
         if fields.grammar is not None and fields.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with structured output: the text ends when it is "
                                  "complete", param="ignore_eos")
+        if fields.grammar is not None and len(fields.grammar.spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"response_format: the schema, regex or grammar has {len(fields.grammar.spec)} "
+                                 f"characters, more than the {MAX_GRAMMAR_CHARS} this server compiles",
+                                 param="response_format")
         return fields.grammar
 
     @staticmethod

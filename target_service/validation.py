@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tandem.rpc.types import MAX_TOP_LOGPROBS
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS
 from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
@@ -47,6 +47,9 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
     if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")
+    if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
+        raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
+                              f"{MAX_GRAMMAR_CHARS} this server compiles")
     if config.grammar is not None and config.ignore_eos:
         raise InvalidArgument("ignore_eos cannot be combined with a grammar: a constrained session ends when its "
                               "text is complete")

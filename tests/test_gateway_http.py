@@ -224,6 +224,8 @@ BAD_CHAT = [
                                   "response_format": {"type": "regex"}}, "response_format"),
     ("structured output with ignore_eos", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
                                            "response_format": {"type": "json_object"}}, "ignore_eos"),
+    ("regex too long to compile", {"messages": [{"role": "user", "content": "hi"}],
+                                   "response_format": {"type": "regex", "regex": "a" * 70000}}, "response_format"),
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
     ("top_logprobs 21", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},

@@ -232,9 +232,12 @@ def test_a_session_continued_from_an_earlier_ones_text_goes_on_where_it_stopped(
         engine.prefill("x", prompt, SessionConfig(max_new_tokens=4, grammar=Grammar(schema.kind, "{}", len(prompt))))
 
 
-def test_a_constrained_session_cannot_ignore_eos(engine) -> None:
+def test_a_constrained_session_cannot_ignore_eos_nor_bring_a_spec_too_long_to_compile(engine) -> None:
     with pytest.raises(InvalidArgument, match="ignore_eos"):
         engine.prefill("x", prompt_ids(1), SessionConfig(max_new_tokens=4, ignore_eos=True, grammar=REGEX))
+    with pytest.raises(InvalidArgument, match="more than the 65536"):
+        engine.prefill("x", prompt_ids(1),
+                       SessionConfig(max_new_tokens=4, grammar=Grammar(GrammarKind.REGEX, "a" * 70000)))
 
 
 def test_grammars_cross_the_wire_and_unknown_kinds_are_refused() -> None:

@@ -94,6 +94,9 @@ class SessionParams:
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
+# The longest grammar spec accepted: compiling one takes time that grows with it (a JSON schema of a
+# few KB, a second or two with a 262k vocabulary), so a larger one is refused before it is compiled.
+MAX_GRAMMAR_CHARS = 65536
 
 
 @dataclass(frozen=True)
