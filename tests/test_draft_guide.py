@@ -157,3 +157,41 @@ def test_a_tokenizer_that_is_not_the_targets_leaves_sessions_unguided(tiny_dir, 
     guide.wrap(inner, spec([5], 1, SCHEMA))
     time.sleep(1.0)
     assert not guide.ready and guide.wrap(inner, spec([5], 1, SCHEMA)) is inner
+
+
+async def test_the_engine_guides_constrained_sessions_it_drafts(tiny_dir, tokenizer) -> None:
+    """Through DraftEngine.speculate: a constrained session's first block is the text its grammar
+    forces; an unconstrained one's is the drafter's."""
+    from contextlib import aclosing
+
+    from draft_fakes import ReferenceTarget, load_tiny
+    from test_draft_parking import Port
+
+    from draft_service.engine import DraftEngine
+    from draft_service.proposers.ngram import NgramProposer
+    from tandem.models.worker import ModelWorker
+    from tandem.telemetry.metrics import make_metrics
+
+    target = TargetInfo("tiny", len(tokenizer), tokenizer_fingerprint(tokenizer),
+                        eos_token_ids=(tokenizer.eos_token_id,))
+    guide = GrammarGuide(str(tiny_dir), target)
+    inner = Scripted()
+    deadline = time.monotonic() + 60
+    while guide.wrap(inner, spec([5], 1, SCHEMA)) is inner and time.monotonic() < deadline:
+        time.sleep(0.05)  # loaded and SCHEMA compiled
+    port = Port(ReferenceTarget(load_tiny(tiny_dir).model))
+    engine = DraftEngine(NgramProposer(), port, target, ModelWorker("test-guide"), make_metrics("draft"), default_k=8,
+                         guide=guide)
+    prompt = tuple(ids(tokenizer, "Give me JSON: "))
+    for session_id, grammar in (("free", None), ("json", SCHEMA)):
+        port.verifier.target.prefill(session_id, prompt, max_new_tokens=12)
+        committed = port.verifier.target.sessions[session_id].tokens
+        committed[-1] = ids(tokenizer, "{")[0]  # (this reference target is unconstrained: a first token JSON allows)
+        tokens = tuple(committed)
+        session = SessionSpec(session_id, tokens, len(prompt), SamplingParams(), 8, max_new_tokens=2, grammar=grammar)
+        async with aclosing(engine.speculate(session)) as rounds:
+            [r async for r in rounds]
+    first = {block.session_id: block.proposal for block in reversed(port.verifier.blocks)}  # each one's first
+    assert set(first["json"].sources) == {SOURCE}
+    assert tokenizer.decode(first["json"].token_ids) == '"name": "'
+    assert SOURCE not in first["free"].sources
