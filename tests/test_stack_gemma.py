@@ -10,8 +10,10 @@ loopback address of their own (127.0.0.2), so that a ``tandem serve`` on the mac
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -110,3 +112,30 @@ def test_shipped_eagle_head_is_lossless(gemma, draft, proposer) -> None:
             ids, usage = generate_ids(stack.grpc_address, prompt_ids, n, common_pb2.SPECULATION_MODE_ON)
             assert ids == served_greedy(stack.grpc_address, prompt_ids, n), len(prompt_ids)
             assert usage.speculative_decoding.rounds > 0 and usage.speculative_decoding.draft_tokens > 0
+        if draft == "auto":
+            assert_structured_output_is_lossless(stack)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def assert_structured_output_is_lossless(stack) -> None:
+    """Under a JSON schema, the default pair's drafts (guided by the schema once the draft has
+    compiled it) commit what the served target decodes under it: the same valid JSON."""
+    messages = [gateway_pb2.ChatMessage(role="user",
+                                        content="Extract name and age as JSON: Maria Lopez, 34, lives in Barcelona.")]
+    grammar = common_pb2.Grammar(kind=common_pb2.GRAMMAR_KIND_JSON_SCHEMA, spec=json.dumps(PERSON))
+    answers = {}
+    for attempt in range(2):  # the first meets the draft compiling the schema: it drafts unguided
+        for mode in (common_pb2.SPECULATION_MODE_ON, common_pb2.SPECULATION_MODE_OFF):
+            with grpc.insecure_channel(stack.grpc_address) as channel:
+                chunks = list(gateway_pb2_grpc.GatewayServiceStub(channel).Generate(
+                    gateway_pb2.GatewayServiceGenerateRequest(messages=messages, max_tokens=48, temperature=0.0,
+                                                              speculation=mode, grammar=grammar), timeout=300))
+            answers[attempt, mode] = "".join(c.text for c in chunks)
+            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert answers[attempt, common_pb2.SPECULATION_MODE_ON] == answers[attempt, common_pb2.SPECULATION_MODE_OFF]
+        time.sleep(3)
+    assert json.loads(answers[1, common_pb2.SPECULATION_MODE_ON]) == {"name": "Maria Lopez", "age": 34}
