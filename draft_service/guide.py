@@ -21,7 +21,6 @@ guidance applies only while that is all of them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -75,9 +74,9 @@ class GrammarGuide:
             self._compiled.move_to_end(key)
         if not compiled:
             return session
-        start = spec.prompt_len - spec.grammar.matched_prompt_tokens  # where the grammar's text begins
+        start = spec.prompt_len - spec.continued_tokens  # where the grammar's text begins
         # A fresh matcher (from xgrammar's cache): the session follows every token from ``start`` itself.
-        matcher = self._compiler.matcher(dataclasses.replace(spec.grammar, matched_prompt_tokens=0), ())
+        matcher = self._compiler.matcher(spec.grammar)
         return GuidedSession(session, matcher, self._tokenizer, start, spec.token_ids)
 
     def start(self) -> None:

@@ -131,6 +131,7 @@ class SessionSpec:
     tokenizer_fingerprint: str = ""  # the caller's; empty = not checked
     target_address: str = ""  # the target holding the session ("host:port" of the draft's pool); "" = its first
     grammar: Grammar | None = None  # a constrained session's grammar: its drafts follow it (draft_service.guide)
+    continued_tokens: int = 0  # the prompt's last tokens that are the session's output so far (a moved session)
 
 
 @dataclass(frozen=True)

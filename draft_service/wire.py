@@ -27,6 +27,7 @@ def spec_from_request(request: draft_pb2.SpeculateRequest, default_k: int) -> Se
         tokenizer_fingerprint=request.tokenizer_fingerprint,
         target_address=request.target_address,
         grammar=_grammar(params),
+        continued_tokens=params.continued_tokens,
     )
 
 

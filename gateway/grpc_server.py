@@ -66,15 +66,14 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         ignore_eos=request.ignore_eos,
         stream_smoothing=_SMOOTHING.get(request.stream_smoothing, str(request.stream_smoothing)),
         top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
     )
     if request.HasField("grammar"):
         try:
             fields.grammar = codecs.grammar(request.grammar)
         except codecs.WireError as error:
             raise InvalidRequest(str(error), param="grammar") from None
-        if fields.grammar.matched_prompt_tokens:
-            raise InvalidRequest("grammar.matched_prompt_tokens is for the gateway's own moves; send 0",
-                                 param="grammar")
     if request.messages:
         fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]
     else:

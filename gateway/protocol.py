@@ -3,8 +3,8 @@
 Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, but OpenAI features tandem does not implement (penalties, logit bias,
-``suffix``, ``best_of``; on chat, tool calling) are refused explicitly rather than silently
+servers commonly do, but OpenAI features tandem does not implement (logit bias, ``suffix``,
+``best_of``; on chat, tool calling) are refused explicitly rather than silently
 ignored: a client that asks for a tool call and gets free text back has lost what it asked for.
 Their neutral values (``tool_choice: "none"``, an empty bias) are accepted, since some frontends
 always send them.
@@ -122,15 +122,14 @@ class _GenerationBody(_StrictBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_fields(self, max_tokens: int | None) -> RequestFields:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported by this server; leave it unset or 0", param=name)
         if self.logit_bias:
             raise InvalidRequest(
                 "logit_bias is not supported by this server; leave it unset or empty", param="logit_bias"
             )
         return RequestFields(
             grammar=None if self.response_format is None else self.response_format.to_grammar(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             model=self.model,
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -50,6 +50,8 @@ class GenerationRequest:
     echo: bool = False
     n: int = 1  # choices: each a generation of its own (gateway.choices)
     grammar: Grammar | None = None  # structured output (target_service.grammar)
+    presence_penalty: float = 0.0  # OpenAI's penalties (target_service.penalties)
+    frequency_penalty: float = 0.0
 
     @property
     def prompt_logprobs(self) -> bool:

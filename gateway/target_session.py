@@ -27,7 +27,6 @@ every batch is checked against it (:meth:`TargetSession.check_in_step`), and a s
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -86,12 +85,18 @@ class TargetSession:
 
     def params(self) -> SessionParams:
         request = self._request
-        grammar = request.grammar
-        if grammar is not None:  # a session moved or resynced goes on from the text the client has
-            matched = self.prompt_len - len(request.prompt_token_ids)
-            grammar = dataclasses.replace(grammar, matched_prompt_tokens=matched)
         return SessionParams(
-            request.sampling, self.budget, request.ignore_eos, request.stop_token_ids, request.top_logprobs, grammar
+            request.sampling,
+            self.budget,
+            request.ignore_eos,
+            request.stop_token_ids,
+            request.top_logprobs,
+            request.grammar,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            # A session moved or resynced goes on from the text the client has: its grammar and
+            # penalties count that text.
+            continued_tokens=self.prompt_len - len(request.prompt_token_ids),
         )
 
     async def open(self) -> Batch:

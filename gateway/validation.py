@@ -16,7 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS, Grammar
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_PENALTY, MAX_TOP_LOGPROBS, Grammar
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
 
@@ -52,6 +52,8 @@ class RequestFields:
     top_logprobs: int | None = None
     echo: bool = False  # completions: the response repeats the prompt (with its log-probabilities)
     grammar: Grammar | None = None  # structured output: the text is a sentence of this grammar
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 class RequestValidator:
@@ -93,7 +95,16 @@ class RequestValidator:
             echo=fields.echo,
             n=n,
             grammar=self._grammar(fields),
+            presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
+            frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
         )
+
+    @staticmethod
+    def _penalty(value: float | None, name: str) -> float:
+        value = 0.0 if value is None else value
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}", param=name)
+        return value
 
     @staticmethod
     def _grammar(fields: RequestFields) -> Grammar | None:

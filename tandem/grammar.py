@@ -65,16 +65,15 @@ class GrammarCompiler:
         """Builds the tokenizer's table now (else the first grammar pays for it)."""
         self._get_compiler()
 
-    def matcher(self, grammar: Grammar, prompt_token_ids: Sequence[int]) -> Any:
-        """A matcher (``xgrammar.GrammarMatcher``) past the prompt's ``grammar.matched_prompt_tokens``
-        last tokens (output of an earlier session this one continues)."""
+    def matcher(self, grammar: Grammar, generated: Sequence[int] = ()) -> Any:
+        """A matcher (``xgrammar.GrammarMatcher``) past ``generated``, the output so far (of an
+        earlier session this one continues: ``SessionParams.continued_tokens``)."""
         import xgrammar
 
         matcher = xgrammar.GrammarMatcher(self.compile(grammar))
-        matched = grammar.matched_prompt_tokens
-        if matched and not all(matcher.accept_token(int(t)) for t in prompt_token_ids[-matched:]):
-            raise GrammarError(f"grammar: the prompt's last {matched} tokens (matched_prompt_tokens) are not text "
-                               "the grammar allows")
+        if not all(matcher.accept_token(int(t)) for t in generated):
+            raise GrammarError(f"grammar: the {len(generated)} tokens the session continues (continued_tokens) are "
+                               "not text the grammar allows")
         return matcher
 
     def _get_compiler(self) -> Any:

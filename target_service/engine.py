@@ -39,6 +39,7 @@ from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
 from target_service.grammar import Grammars
+from target_service.penalties import Penalties
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
 from target_service.prefix_cache import BUDGET_SHARE, DEFAULT_POSITIONS, PrefixCache
 from target_service.runner import ModelRunner
@@ -178,8 +179,13 @@ class TargetEngine:
         self.check_tokenizer(tokenizer_fingerprint)
         check_prefill(session_id, prompt_token_ids, config, self.vocab_size, self.info.max_context_len)
         self.store.check_can_add(session_id, kv_tokens(len(prompt_token_ids), config))
+        generated = prompt_token_ids[len(prompt_token_ids) - config.continued_tokens:]  # output so far, if continued
         # (compiled before, off this thread, by the server: then this is a cache lookup)
-        constraint = None if config.grammar is None else self.grammars.constraint(config.grammar, prompt_token_ids)
+        constraint = None if config.grammar is None else self.grammars.constraint(config.grammar, generated)
+        penalties = None
+        if config.penalized:
+            penalties = Penalties(config.presence_penalty, config.frequency_penalty, self.vocab_size, self.device,
+                                  generated)
         # A prompt that begins as an ended session's tokens did starts from a copy of their cache;
         # not where every prompt position's hidden state or score is asked for (they are not kept).
         found = None
@@ -198,6 +204,7 @@ class TargetEngine:
             generator=make_generator(config.seed, self.device),
             sampling=SamplingTensors.of(config, self.device),
             constraint=constraint,
+            penalties=penalties,
         )
         if prompt_logprobs:
             chunk = min(self.prefill_chunk_tokens or len(prompt_token_ids), PROMPT_LOGPROBS_CHUNK)

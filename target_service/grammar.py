@@ -53,10 +53,10 @@ class Grammars:
         except GrammarError as error:
             raise InvalidArgument(str(error)) from None
 
-    def constraint(self, grammar: Grammar, prompt_token_ids: Sequence[int]) -> Constraint:
-        """A session's constraint, past the prompt's ``grammar.matched_prompt_tokens`` last tokens."""
+    def constraint(self, grammar: Grammar, generated: Sequence[int] = ()) -> Constraint:
+        """A session's constraint, past ``generated`` (the prompt's continued tokens)."""
         try:
-            return Constraint(self._compiler.matcher(grammar, prompt_token_ids), self.vocab_size)
+            return Constraint(self._compiler.matcher(grammar, generated), self.vocab_size)
         except GrammarError as error:
             raise InvalidArgument(str(error)) from None
 

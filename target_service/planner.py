@@ -255,12 +255,18 @@ class Planner:
     def _allowed(
         self, session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
     ) -> RowScores:
-        """The scores a session's tokens are taken from: a constrained session's logits with what its
-        grammar forbids at each row masked out (``target_service.grammar``); the scores as they are
-        otherwise. Log-probabilities stay the model's own, from the unmasked logits."""
-        if session.constraint is None:
+        """The scores a session's tokens are taken from: its logits penalised at each row
+        (``target_service.penalties``), and with what its grammar forbids there masked out
+        (``target_service.grammar``), where it has them; the scores as they are otherwise.
+        Log-probabilities stay the model's own, from the logits before either."""
+        if session.constraint is None and session.penalties is None:
             return scores
-        return RowScores(logits=session.constraint.masked(scores.logits, drafts, parents, self.runner.mask_rows))
+        logits = scores.logits
+        if session.penalties is not None:
+            logits = session.penalties.applied(logits, drafts, parents)  # [rows, vocab]
+        if session.constraint is not None:
+            logits = session.constraint.masked(logits, drafts, parents, self.runner.mask_rows)
+        return RowScores(logits=logits)
 
     # ----------------------------------------------------------------------------- committing
 
@@ -306,11 +312,13 @@ class Planner:
         return new_tokens, FinishReason.NONE
 
     def _commit(self, session: Session, new_tokens: list[int], reason: int) -> None:
-        """Appends tokens (the grammar's state follows) and restores the invariant (cache ==
-        tokens[:-1]), or finishes."""
+        """Appends tokens (the grammar's state and the penalties' counts follow) and restores the
+        invariant (cache == tokens[:-1]), or finishes."""
         session.tokens.extend(new_tokens)
         if session.constraint is not None:
             session.constraint.advance(new_tokens)
+        if session.penalties is not None:
+            session.penalties.advance(new_tokens)
         if reason != FinishReason.NONE:
             self.store.finish(session, reason)
         else:

@@ -25,6 +25,7 @@ from target_service.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from target_service.grammar import Constraint
+    from target_service.penalties import Penalties
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,13 @@ class SessionConfig:
     return_hidden_states: bool = False
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n most probable
     grammar: Grammar | None = None  # constrain the output (target_service.grammar)
+    presence_penalty: float = 0.0  # (target_service.penalties)
+    frequency_penalty: float = 0.0
+    continued_tokens: int = 0  # the prompt's last tokens that are this generation's output so far
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -57,6 +65,9 @@ class SessionConfig:
             return_hidden_states=return_hidden_states,
             top_logprobs=params.top_logprobs,
             grammar=params.grammar,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            continued_tokens=params.continued_tokens,
         )
 
 
@@ -90,6 +101,8 @@ class Session:
     finish_reason: FinishReason = FinishReason.NONE
     # The grammar's state after the generated tokens, where config.grammar is set (target_service.grammar).
     constraint: Constraint | None = field(default=None, repr=False)
+    # The generated tokens' counts, where the config has penalties (target_service.penalties).
+    penalties: Penalties | None = field(default=None, repr=False)
 
     @property
     def committed_len(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_TOP_LOGPROBS
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
@@ -47,6 +47,10 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
     if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
     if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
                               f"{MAX_GRAMMAR_CHARS} this server compiles")
@@ -63,9 +67,9 @@ def check_prefill(
         raise InvalidArgument("prompt_token_ids is empty")
     check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
     check_config(config, vocab_size)
-    if config.grammar is not None and not 0 <= config.grammar.matched_prompt_tokens < len(prompt_token_ids):
-        raise InvalidArgument(f"grammar.matched_prompt_tokens must be in [0, {len(prompt_token_ids)}) (the prompt "
-                              f"has {len(prompt_token_ids)} tokens), got {config.grammar.matched_prompt_tokens}")
+    if not 0 <= config.continued_tokens < len(prompt_token_ids):
+        raise InvalidArgument(f"continued_tokens must be in [0, {len(prompt_token_ids)}) (the prompt has "
+                              f"{len(prompt_token_ids)} tokens), got {config.continued_tokens}")
     total = len(prompt_token_ids) + config.max_new_tokens
     if total > max_context_len:
         raise InvalidArgument(

@@ -145,8 +145,8 @@ def test_the_guide_loads_in_the_background_and_wraps_only_constrained_sessions(t
         time.sleep(0.2)
     # A session moved to this target with its text so far: the grammar starts at the matched tokens.
     text = ids(tokenizer, '{"name": "ab", ')
-    moved = dataclasses.replace(SCHEMA, matched_prompt_tokens=len(text))
-    wrapped = guide.wrap(inner, spec([5, 6, *text], 2 + len(text), moved))
+    moved = dataclasses.replace(spec([5, 6, *text], 2 + len(text), SCHEMA), continued_tokens=len(text))
+    wrapped = guide.wrap(inner, moved)
     assert tokenizer.decode(wrapped.propose(8).token_ids) == '"ok": '
 
 

@@ -140,9 +140,8 @@ async def test_a_moved_constrained_session_tells_the_new_target_how_much_of_its_
     tokens, _ = await run(deps, request)
     assert tokens == a.expected_tokens(N, ignore_eos=False) and failovers(deps, "unavailable") == 1
     (first,), (moved,) = a.prefilled, b.prefilled
-    assert (first.grammar.kind, first.grammar.spec, first.grammar.matched_prompt_tokens) == (
-        common_pb2.GRAMMAR_KIND_REGEX, ".*", 0)
-    assert moved.grammar.spec == ".*" and moved.grammar.matched_prompt_tokens == 4  # the first token and 3 more
+    assert (first.grammar.kind, first.grammar.spec, first.continued_tokens) == (common_pb2.GRAMMAR_KIND_REGEX, ".*", 0)
+    assert moved.grammar.spec == ".*" and moved.continued_tokens == 4  # the first token and 3 more
 
 
 async def test_a_target_lost_under_the_draft_moves_the_session_and_keeps_it_speculating(tokenizer):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from gateway.chat_template import ChatFormat, ChatMessage
 from gateway_fakes import SCRIPT_TEXT, fake_stack, speculations_cancelled
+
+from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONTRACT_METRICS = [
     "tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
@@ -203,6 +206,8 @@ BAD_HTTP = [
     ("logprobs 21", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("logprobs -1", {"prompt": "hi", "logprobs": -1}, "logprobs"),
     ("logit_bias unsupported", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("presence_penalty 2.5", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty -3", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ("logit_bias wrong type", {"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
 ]
 BAD_CHAT = [
@@ -269,6 +274,23 @@ async def test_neutral_values_of_unsupported_features_are_accepted(stack):
     response = await post(stack, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+    await stack.wait_until_idle()
+
+
+async def test_penalties_reach_the_target_from_http_and_grpc(stack):
+    """OpenAI's presence and frequency penalties go to the target's session as they were sent
+    (HTTP), or as the gRPC request's optional fields; unset, 0."""
+    body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "presence_penalty": 0.5, "frequency_penalty": -1.25}
+    assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
+    params = stack.model.prefilled[-1]
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25)
+    assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2})).status_code == 200
+    assert (stack.model.prefilled[-1].presence_penalty, stack.model.prefilled[-1].frequency_penalty) == (0, 0)
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75)
+        [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+    assert (stack.model.prefilled[-1].presence_penalty, stack.model.prefilled[-1].frequency_penalty) == (0, 0.75)
     await stack.wait_until_idle()
 
 

@@ -172,6 +172,19 @@ def test_structured_output_follows_the_schema_and_speculation_keeps_the_answer(s
         assert isinstance(json.loads(again.choices[0].message.content), dict)
 
 
+def test_penalties_change_the_answer_and_speculation_keeps_it(stack) -> None:
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    answers = {}
+    for speculation in ("on", "off"):
+        for penalty in (0.0, 1.5):
+            done = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                             frequency_penalty=penalty, presence_penalty=penalty / 2,
+                                             extra_body={"speculation": speculation, "ignore_eos": True})
+            answers[speculation, penalty] = done.choices[0].text
+    assert answers["on", 1.5] == answers["off", 1.5] and answers["on", 0.0] == answers["off", 0.0]
+    assert answers["off", 1.5] != answers["off", 0.0]
+
+
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
     """A conversation's second request starts with the first's prompt and answer: the target copies
     their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""

@@ -222,14 +222,14 @@ def test_a_session_continued_from_an_earlier_ones_text_goes_on_where_it_stopped(
     schema = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
     whole = decode(engine, prompt, SessionConfig(max_new_tokens=48, grammar=schema), "first")
     for cut in (1, len(whole) // 2, len(whole) - 1):
-        moved = Grammar(schema.kind, schema.spec, matched_prompt_tokens=cut)
-        rest = decode(engine, prompt + whole[:cut], SessionConfig(max_new_tokens=48, grammar=moved), "moved")
+        moved = SessionConfig(max_new_tokens=48, grammar=schema, continued_tokens=cut)
+        rest = decode(engine, prompt + whole[:cut], moved, "moved")
         assert whole[:cut] + rest == whole
-    wrong = Grammar(schema.kind, schema.spec, matched_prompt_tokens=3)  # the prompt's own tokens are no JSON
+    wrong = SessionConfig(max_new_tokens=4, grammar=schema, continued_tokens=3)  # the prompt's own tokens: no JSON
     with pytest.raises(InvalidArgument, match="not text the grammar allows"):
-        engine.prefill("x", prompt, SessionConfig(max_new_tokens=4, grammar=wrong))
-    with pytest.raises(InvalidArgument, match="matched_prompt_tokens must be in"):
-        engine.prefill("x", prompt, SessionConfig(max_new_tokens=4, grammar=Grammar(schema.kind, "{}", len(prompt))))
+        engine.prefill("x", prompt, wrong)
+    with pytest.raises(InvalidArgument, match="continued_tokens must be in"):
+        engine.prefill("x", prompt, SessionConfig(max_new_tokens=4, grammar=schema, continued_tokens=len(prompt)))
 
 
 def test_a_constrained_session_cannot_ignore_eos_nor_bring_a_spec_too_long_to_compile(engine) -> None:

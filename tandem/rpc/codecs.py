@@ -88,6 +88,9 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         stop_token_ids=tuple(message.stop_token_ids),
         top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None,
         grammar=grammar(message.grammar) if message.HasField("grammar") else None,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        continued_tokens=message.continued_tokens,
     )
 
 
@@ -99,6 +102,9 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         stop_token_ids=params.stop_token_ids,
         top_logprobs=params.top_logprobs,
         grammar=None if params.grammar is None else grammar_to_wire(params.grammar),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        continued_tokens=params.continued_tokens,
     )
 
 
@@ -116,13 +122,11 @@ def grammar(message: common_pb2.Grammar) -> Grammar:
     kind = _GRAMMAR_KIND_FROM_WIRE.get(message.kind)
     if kind is None:
         raise WireError(f"grammar kind {message.kind} is not one this server knows (json_schema, regex, ebnf)")
-    return Grammar(kind, message.spec, message.matched_prompt_tokens)
+    return Grammar(kind, message.spec)
 
 
 def grammar_to_wire(value: Grammar) -> common_pb2.Grammar:
-    return common_pb2.Grammar(
-        kind=_GRAMMAR_KIND_TO_WIRE[value.kind], spec=value.spec, matched_prompt_tokens=value.matched_prompt_tokens
-    )
+    return common_pb2.Grammar(kind=_GRAMMAR_KIND_TO_WIRE[value.kind], spec=value.spec)
 
 
 def token_logprobs(messages: Iterable[common_pb2.TokenLogprobs]) -> tuple[TokenLogprob, ...]:

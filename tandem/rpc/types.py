@@ -71,9 +71,6 @@ class Grammar:
 
     kind: GrammarKind
     spec: str
-    # The prompt's last tokens that are output the grammar has already matched (a session continuing
-    # an earlier one's text on another target or after a resync); 0 for a new generation.
-    matched_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,12 +88,20 @@ class SessionParams:
     # tokens at its position (0..MAX_TOP_LOGPROBS); None: no log-probabilities.
     top_logprobs: int | None = None
     grammar: Grammar | None = None  # constrain the output to a grammar (structured output)
+    # OpenAI's penalties (-2..2): each token's logit loses presence_penalty if the generated text holds
+    # it and frequency_penalty per occurrence there. 0: none.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The prompt's last tokens that are this generation's own output so far (a session a gateway
+    # moved to another target or resynced): the grammar and the penalties count them. 0: none.
+    continued_tokens: int = 0
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 # The longest grammar spec accepted: compiling one takes time that grows with it (a JSON schema of a
 # few KB, a second or two with a 262k vocabulary), so a larger one is refused before it is compiled.
 MAX_GRAMMAR_CHARS = 65536
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 
 
 @dataclass(frozen=True)

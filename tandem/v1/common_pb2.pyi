@@ -53,30 +53,34 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SessionParams(_message.Message):
-    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar")
+    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "continued_tokens")
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     max_new_tokens: int
     ignore_eos: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: int
     grammar: Grammar
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    continued_tokens: int
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., continued_tokens: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("kind", "spec", "matched_prompt_tokens")
+    __slots__ = ("kind", "spec")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
-    MATCHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kind: GrammarKind
     spec: str
-    matched_prompt_tokens: int
-    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., spec: _Optional[str] = ..., matched_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[GrammarKind, str]] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

@@ -1,0 +1,127 @@
+"""OpenAI's presence and frequency penalties in the target: each row scored as the one-token step at
+its position would be (against the formula over the generated tokens, computed here from the
+model's own logits), so speculation keeps the penalised answer; on tiny float and quantized targets."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from tandem.models import load_model
+from tandem.rpc import codecs
+from tandem.rpc.types import SamplingParams, SessionParams
+from target_service import wire
+from target_service.engine import TargetEngine
+from target_service.errors import InvalidArgument
+from target_service.penalties import Penalties
+from target_service.session import SessionConfig
+from target_service.types import DraftBlock, VerdictStatus
+from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
+from test_target_engine import _prompt as prompt_ids
+from test_target_tree import random_tree
+
+NEW = 24
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma"])
+def loaded(request, tiny_dir, tiny_gemma_dir):
+    return load_model(str(tiny_dir if request.param == "llama" else tiny_gemma_dir), device="cpu", dtype="float32")
+
+
+@torch.inference_mode()
+def penalised_greedy(model, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy decoding with the penalties applied as OpenAI documents them, one whole forward per step."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + out])).logits[0, -1].float()  # [vocab]
+        for token, count in Counter(out).items():
+            logits[token] -= presence + frequency * count
+        out.append(int(logits.argmax()))
+    return out
+
+
+def decode(engine: TargetEngine, prompt: list[int], config: SessionConfig, session_id: str) -> list[int]:
+    tokens = [engine.prefill(session_id, prompt, config).token_id]
+    tokens += engine.generate(session_id, config.max_new_tokens - 1).token_ids
+    engine.release(session_id)
+    return tokens
+
+
+def speculate(engine: TargetEngine, prompt: list[int], config: SessionConfig, session_id: str,
+              guide: list[int], seed: int) -> list[int]:
+    """Random chains and trees around ``guide`` (the penalised answer), with random tokens."""
+    rng = random.Random(seed)
+    tokens = [engine.prefill(session_id, prompt, config).token_id]
+    block = 0
+    while len(tokens) < config.max_new_tokens:
+        block += 1
+        ahead = guide[len(tokens):]
+        if rng.random() < 0.5:
+            drafts, parents = random_tree(rng, ahead, rng.randint(1, 6))
+        else:
+            drafts, parents = [t if rng.random() < 0.7 else rng.randrange(300) for t in ahead[: rng.randint(0, 5)]], []
+        verdict = engine.verify(DraftBlock(session_id, len(prompt) + len(tokens), tuple(drafts), block_id=block,
+                                           draft_parents=tuple(parents)))
+        assert verdict.status is VerdictStatus.OK
+        tokens += verdict.committed_token_ids
+    engine.release(session_id)
+    return tokens
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 1.5), (1.0, 0.5), (-1.0, 0.0)])
+def test_penalised_greedy_decoding_is_the_formulas_and_speculation_keeps_it(loaded, presence, frequency) -> None:
+    engine = TargetEngine(loaded)
+    prompt = prompt_ids(70)
+    config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
+    tokens = decode(engine, prompt, config, "ar")
+    assert tokens == penalised_greedy(loaded.model, prompt, NEW, presence, frequency)
+    assert tokens != decode(engine, prompt, SessionConfig(max_new_tokens=NEW, ignore_eos=True), "plain")
+    for seed in range(3):
+        assert speculate(engine, prompt, config, f"sp{seed}", tokens, seed)[:NEW] == tokens
+
+
+def test_the_quantized_target_keeps_its_penalised_answer_speculating(quantized_gemma) -> None:
+    engine = TargetEngine(quantized_gemma)
+    prompt = prompt_ids(71)
+    config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.8)
+    tokens = decode(engine, prompt, config, "ar")
+    for seed in range(2):
+        assert speculate(engine, prompt, config, f"sp{seed}", tokens, seed)[:NEW] == tokens
+
+
+def test_each_row_of_a_tree_counts_its_own_path() -> None:
+    penalties = Penalties(0.5, 1.0, 8, "cpu", generated=[3, 3, 5])
+    logits = torch.zeros(4, 8)  # rows: root, then drafts 3 (root's child), 5 (child of the 3), 3 (root's child)
+    out = penalties.applied(logits, drafts=[3, 5, 3], parents=[-1, 0, -1])
+    base = torch.zeros(8)
+    base[3], base[5] = -(0.5 + 2.0), -(0.5 + 1.0)
+    assert torch.equal(out[0], base)
+    assert out[1, 3] == -(0.5 + 3.0) and out[1, 5] == base[5]  # after [3]
+    assert out[2, 3] == -(0.5 + 3.0) and out[2, 5] == -(0.5 + 2.0)  # after [3, 5]
+    assert torch.equal(out[3], out[1])  # the other branch's [3]
+    fresh = Penalties(0.5, 1.0, 8, "cpu").applied(torch.zeros(2, 8), drafts=[6])
+    assert fresh[1, 6] == -1.5 and fresh[0, 6] == 0.0  # presence counts from the token's first occurrence
+
+
+def test_a_continued_session_counts_the_output_it_continues(loaded) -> None:
+    engine = TargetEngine(loaded)
+    prompt = prompt_ids(72)
+    config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, frequency_penalty=1.2)
+    whole = decode(engine, prompt, config, "first")
+    cut = NEW // 2
+    moved = SessionConfig(max_new_tokens=NEW - cut, ignore_eos=True, frequency_penalty=1.2, continued_tokens=cut)
+    assert whole[:cut] + decode(engine, prompt + whole[:cut], moved, "moved") == whole
+
+
+def test_penalties_are_refused_outside_their_range_and_cross_the_wire(loaded) -> None:
+    engine = TargetEngine(loaded)
+    for value in (2.5, -3.0, float("nan")):
+        with pytest.raises(InvalidArgument, match="presence_penalty must be in"):
+            engine.prefill("x", prompt_ids(1), SessionConfig(max_new_tokens=4, presence_penalty=value))
+    params = SessionParams(SamplingParams(), 4, presence_penalty=0.25, frequency_penalty=-0.5, continued_tokens=2)
+    assert codecs.session_params(codecs.session_params_to_wire(params)) == params
+    config = wire.session_config(codecs.session_params_to_wire(params), False)
+    assert (config.presence_penalty, config.frequency_penalty, config.continued_tokens) == (0.25, -0.5, 2)
