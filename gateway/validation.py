@@ -103,7 +103,8 @@ class RequestValidator:
     def _penalty(value: float | None, name: str) -> float:
         value = 0.0 if value is None else value
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-            raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}", param=name)
+            raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}",
+                                 param=name)
         return value
 
     @staticmethod
