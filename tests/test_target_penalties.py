@@ -18,10 +18,9 @@ from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
 from target_service.penalties import Penalties
 from target_service.session import SessionConfig
-from target_service.types import DraftBlock, VerdictStatus
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_engine import _prompt as prompt_ids
-from test_target_tree import random_tree
+from test_target_grammar import decode, speculate  # random chains and trees around a guide
 
 NEW = 24
 
@@ -43,34 +42,6 @@ def penalised_greedy(model, prompt: list[int], n: int, presence: float, frequenc
     return out
 
 
-def decode(engine: TargetEngine, prompt: list[int], config: SessionConfig, session_id: str) -> list[int]:
-    tokens = [engine.prefill(session_id, prompt, config).token_id]
-    tokens += engine.generate(session_id, config.max_new_tokens - 1).token_ids
-    engine.release(session_id)
-    return tokens
-
-
-def speculate(engine: TargetEngine, prompt: list[int], config: SessionConfig, session_id: str,
-              guide: list[int], seed: int) -> list[int]:
-    """Random chains and trees around ``guide`` (the penalised answer), with random tokens."""
-    rng = random.Random(seed)
-    tokens = [engine.prefill(session_id, prompt, config).token_id]
-    block = 0
-    while len(tokens) < config.max_new_tokens:
-        block += 1
-        ahead = guide[len(tokens):]
-        if rng.random() < 0.5:
-            drafts, parents = random_tree(rng, ahead, rng.randint(1, 6))
-        else:
-            drafts, parents = [t if rng.random() < 0.7 else rng.randrange(300) for t in ahead[: rng.randint(0, 5)]], []
-        verdict = engine.verify(DraftBlock(session_id, len(prompt) + len(tokens), tuple(drafts), block_id=block,
-                                           draft_parents=tuple(parents)))
-        assert verdict.status is VerdictStatus.OK
-        tokens += verdict.committed_token_ids
-    engine.release(session_id)
-    return tokens
-
-
 @pytest.mark.parametrize(("presence", "frequency"), [(0.0, 1.5), (1.0, 0.5), (-1.0, 0.0)])
 def test_penalised_greedy_decoding_is_the_formulas_and_speculation_keeps_it(loaded, presence, frequency) -> None:
     engine = TargetEngine(loaded)
@@ -80,7 +51,7 @@ def test_penalised_greedy_decoding_is_the_formulas_and_speculation_keeps_it(load
     assert tokens == penalised_greedy(loaded.model, prompt, NEW, presence, frequency)
     assert tokens != decode(engine, prompt, SessionConfig(max_new_tokens=NEW, ignore_eos=True), "plain")
     for seed in range(3):
-        assert speculate(engine, prompt, config, f"sp{seed}", tokens, seed)[:NEW] == tokens
+        assert speculate(engine, prompt, config, f"sp{seed}", random.Random(seed), tokens)[:NEW] == tokens
 
 
 def test_the_quantized_target_keeps_its_penalised_answer_speculating(quantized_gemma) -> None:
@@ -89,7 +60,7 @@ def test_the_quantized_target_keeps_its_penalised_answer_speculating(quantized_g
     config = SessionConfig(max_new_tokens=NEW, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.8)
     tokens = decode(engine, prompt, config, "ar")
     for seed in range(2):
-        assert speculate(engine, prompt, config, f"sp{seed}", tokens, seed)[:NEW] == tokens
+        assert speculate(engine, prompt, config, f"sp{seed}", random.Random(seed), tokens)[:NEW] == tokens
 
 
 def test_each_row_of_a_tree_counts_its_own_path() -> None:
