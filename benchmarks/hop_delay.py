@@ -48,7 +48,7 @@ from tandem.tools.bench.client import AUTO, AUTOREGRESSIVE, SPECULATIVE, Request
 from tandem.tools.bench.delay_proxy import DelayProxy
 from tandem.tools.bench.metrics import summarize
 from tandem.tools.bench.prompts import load_prompts
-from tandem.tools.bench.stack import free_port
+from tandem.tools.bench.stack import free_ports
 
 
 class ProxyThread:
@@ -99,7 +99,8 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def start_services(args: argparse.Namespace, depths: list[str], log_dir: Path) -> tuple[list[subprocess.Popen], list[Lane], ProxyThread]:
-    target_port = free_port()
+    ports = iter(free_ports(1 + 6 * len(depths)))  # distinct: one target, then per lane 4 + 2 near
+    target_port = next(ports)
     proxy = ProxyThread(f"127.0.0.1:{target_port}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"}
     processes: list[subprocess.Popen] = []
@@ -107,12 +108,12 @@ def start_services(args: argparse.Namespace, depths: list[str], log_dir: Path) -
     for index, label in enumerate(depths):
         depth, with_near = lane_of(label)
         settings = ServeSettings(
-            target_model=args.target_model, draft_model=args.draft_model, http_port=free_port(),
-            grpc_port=free_port(), draft_port=free_port(), target_port=target_port, draft_metrics_port=free_port(),
+            target_model=args.target_model, draft_model=args.draft_model, http_port=next(ports),
+            grpc_port=next(ports), draft_port=next(ports), target_port=target_port, draft_metrics_port=next(ports),
             target_metrics_port=0, log_level="warning", stream_smoothing="off",
             **({"num_speculative_tokens": args.k} if args.k else {}),
         )
-        near_port, near_metrics_port = free_port(), free_port()
+        near_port, near_metrics_port = next(ports), next(ports)
         children = []
         for child in child_commands(settings):
             argv = list(child.argv)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.tools.bench.stack import free_port
+from tandem.tools.bench.stack import free_port, free_ports
 from tandem.config import ServeSettings
 from tandem.supervisor import Child, child_commands, is_serving
 
@@ -83,8 +83,8 @@ def running_stack(
         ports = dict(http_port=8000, grpc_port=50051, draft_port=50052, target_port=50053,
                      draft_metrics_port=9052, target_metrics_port=9053)
     else:
-        ports = dict(http_port=free_port(), grpc_port=free_port(), draft_port=free_port(), target_port=free_port(),
-                     draft_metrics_port=free_port(), target_metrics_port=free_port())
+        names = ("http_port", "grpc_port", "draft_port", "target_port", "draft_metrics_port", "target_metrics_port")
+        ports = dict(zip(names, free_ports(len(names))))
     argv = [sys.executable, "-m", "tandem.cli", "serve", "--target-model", target_model, "--draft-model", draft_model,
             "--num-speculative-tokens", str(k), "--host", host, *extra_args]
     for name, port in ports.items():
@@ -207,10 +207,11 @@ def running_services(
 ) -> Iterator[Services]:
     """The three services on free ports; ``gateway_env`` adds ``TANDEM_*`` settings (all services
     see them, only the gateway reads the gateway's)."""
+    http, grpc, draft, target, draft_metrics, target_metrics = free_ports(6)
     settings = ServeSettings(
         target_model=target_model, draft_model=draft_model, num_speculative_tokens=k,
-        http_port=free_port(), grpc_port=free_port(), draft_port=free_port(), target_port=free_port(),
-        draft_metrics_port=free_port(), target_metrics_port=free_port(), log_level="info",
+        http_port=http, grpc_port=grpc, draft_port=draft, target_port=target,
+        draft_metrics_port=draft_metrics, target_metrics_port=target_metrics, log_level="info",
     )
     env = {k_: v for k_, v in os.environ.items() if not k_.startswith("TANDEM_") or k_ == "TANDEM_CACHE_DIR"}
     env.update(gateway_env or {})

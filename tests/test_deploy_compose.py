@@ -148,8 +148,10 @@ class LocalCompose:
 
     def port(self, service: str, container_port: int) -> int:
         key = (service, container_port)
-        if key not in self.ports:
-            self.ports[key] = free_port()
+        while key not in self.ports:
+            port = free_port()  # the OS may hand out a just-released port again
+            if port not in self.ports.values():
+                self.ports[key] = port
         return self.ports[key]
 
     def translate(self, service: str, value: str) -> str:

@@ -21,7 +21,7 @@ from stack import serving
 
 from tandem.fleet import read_ready_block
 from tandem.rpc.security import HopSecurity
-from tandem.tools.bench.stack import free_port
+from tandem.tools.bench.stack import free_ports
 from tandem.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -39,8 +39,8 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def secure_stack(tiny_dir, pki):
-    ports = {name: free_port() for name in ("http-port", "grpc-port", "draft-port", "target-port",
-                                            "draft-metrics-port", "target-metrics-port")}
+    names = ("http-port", "grpc-port", "draft-port", "target-port", "draft-metrics-port", "target-metrics-port")
+    ports = dict(zip(names, free_ports(len(names))))
     argv = [sys.executable, "-m", "tandem.cli", "serve", "--target-model", str(tiny_dir), "--draft-model", "ngram",
             "--num-speculative-tokens", "4", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
             "--tls-ca", str(pki.ca), "--http-tls-cert", str(pki.server.cert), "--http-tls-key", str(pki.server.key)]

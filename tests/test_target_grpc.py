@@ -21,7 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.tools.bench.stack import free_port as _free_port
+from tandem.tools.bench.stack import free_ports
 from tandem.rpc.endpoints import insecure_channel
 from tandem.telemetry.metrics import make_metrics
 from tandem.models import load_model
@@ -425,7 +425,7 @@ async def test_duplicate_session_id(stub) -> None:
 
 
 def test_run_serves_until_sigterm(tiny_dir) -> None:
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_ports(2)
     code = (
         "from target_service.main import run; from tandem.config import TargetSettings; "
         f"run(TargetSettings(target_model={str(tiny_dir)!r}, port={port}, metrics_port={metrics_port}))"

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.fleet import free_ports as fleet_free_ports
+
 READY_LINE = "tandem is ready"
 PORT_FLAGS = ("http-port", "grpc-port", "draft-port", "target-port", "draft-metrics-port", "target-metrics-port")
 
@@ -27,6 +29,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1 (``free_port`` called twice may return one port twice)."""
+    return fleet_free_ports("127.0.0.1", count, set())
 
 
 @dataclass
@@ -59,7 +66,7 @@ class OwnStack:
         return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
     def start(self, ready_timeout_s: float = 900.0) -> None:
-        self.ports = {flag: free_port() for flag in PORT_FLAGS}
+        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         handle, name = tempfile.mkstemp(prefix="tandem-bench-stack-", suffix=".log")
         self.log_path = Path(name)
         with open(handle, "w") as log:
