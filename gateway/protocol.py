@@ -3,11 +3,10 @@
 Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, but OpenAI features tandem does not implement (logit bias, ``suffix``,
-``best_of``; on chat, tool calling) are refused explicitly rather than silently
-ignored: a client that asks for a tool call and gets free text back has lost what it asked for.
-Their neutral values (``tool_choice: "none"``, an empty bias) are accepted, since some frontends
-always send them.
+servers commonly do, but OpenAI features tandem does not implement (``suffix``, ``best_of``;
+on chat, tool calling) are refused explicitly rather than silently ignored: a client that asks for
+a tool call and gets free text back has lost what it asked for. Their neutral values
+(``tool_choice: "none"``) are accepted, since some frontends always send them.
 
 ``response_format`` (structured output) takes OpenAI's ``text``, ``json_object`` and
 ``json_schema``, and two of tandem's own, ``{"type": "regex", "regex": ...}`` and ``{"type":
@@ -19,6 +18,7 @@ Response models mirror OpenAI's objects; the usage object adds ``speculative_dec
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -93,6 +93,19 @@ class ResponseFormat(_StrictBody):
         )
 
 
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` keys are token ids written as JSON strings ("1234")."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\s*[0-9]{1,12}\s*", key):
+            raise InvalidRequest(f"logit_bias: the key {key!r} is not a token id (a non-negative integer written as a "
+                                 "string, e.g. \"1234\")", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 class _GenerationBody(_StrictBody):
     model: str | None = None
     max_tokens: int | None = None
@@ -122,11 +135,8 @@ class _GenerationBody(_StrictBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_fields(self, max_tokens: int | None) -> RequestFields:
-        if self.logit_bias:
-            raise InvalidRequest(
-                "logit_bias is not supported by this server; leave it unset or empty", param="logit_bias"
-            )
         return RequestFields(
+            logit_bias=_token_keys(self.logit_bias),
             grammar=None if self.response_format is None else self.response_format.to_grammar(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

@@ -52,6 +52,7 @@ class GenerationRequest:
     grammar: Grammar | None = None  # structured output (target_service.grammar)
     presence_penalty: float = 0.0  # OpenAI's penalties (target_service.penalties)
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
 
     @property
     def prompt_logprobs(self) -> bool:

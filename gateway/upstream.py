@@ -101,8 +101,10 @@ def translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Gatewa
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return Overloaded(f"{where} is at capacity: {details}", code="upstream_overloaded")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        # A grammar the target cannot compile is the request's response_format (HTTP's name for it).
+        # A grammar the target cannot compile is the request's response_format (HTTP's name for it); a
+        # bias of a token outside the target's vocabulary, its logit_bias.
         param = "response_format" if details.startswith("grammar") else None
+        param = "logit_bias" if details.startswith("logit_bias") else param
         return InvalidRequest(f"{where} refused the request: {details}", param=param)
     return UpstreamFailure(f"{where} failed ({code.name}): {details}", code="upstream_error")
 

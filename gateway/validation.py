@@ -16,7 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_PENALTY, MAX_TOP_LOGPROBS, Grammar
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Grammar
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
 
@@ -54,6 +54,7 @@ class RequestFields:
     grammar: Grammar | None = None  # structured output: the text is a sentence of this grammar
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
 
 
 class RequestValidator:
@@ -97,7 +98,20 @@ class RequestValidator:
             grammar=self._grammar(fields),
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
+            logit_bias=self._logit_bias(fields.logit_bias),
         )
+
+    def _logit_bias(self, bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs in token id order; every id in the vocabulary, every bias in range."""
+        vocab = self._model.vocab_size
+        for token, value in (bias or {}).items():
+            if not 0 <= token < vocab:
+                raise InvalidRequest(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
+                                     param="logit_bias")
+            if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise InvalidRequest(f"logit_bias: the bias of token {token} must be between -{MAX_LOGIT_BIAS:g} and "
+                                     f"{MAX_LOGIT_BIAS:g}, got {value}", param="logit_bias")
+        return tuple(sorted((bias or {}).items()))
 
     @staticmethod
     def _penalty(value: float | None, name: str) -> float:

@@ -259,9 +259,11 @@ class Planner:
         (``target_service.penalties``), and with what its grammar forbids there masked out
         (``target_service.grammar``), where it has them; the scores as they are otherwise.
         Log-probabilities stay the model's own, from the logits before either."""
-        if session.constraint is None and session.penalties is None:
+        if session.constraint is None and session.penalties is None and session.logit_bias is None:
             return scores
         logits = scores.logits
+        if session.logit_bias is not None:
+            logits = session.logit_bias.applied(logits)  # [rows, vocab]
         if session.penalties is not None:
             logits = session.penalties.applied(logits, drafts, parents)  # [rows, vocab]
         if session.constraint is not None:

@@ -115,13 +115,12 @@ class ModelRunner:
 
     def screens(self, session: Session) -> bool:
         """Whether the session's tokens come from the screened head: greedy, the runner has one, and
-        the session wants no log-probabilities and has no grammar or penalties (the screen yields
-        each row's argmax, no logits to mask or penalise)."""
+        the session wants no log-probabilities and has no grammar, penalties or bias (the screen
+        yields each row's argmax, no logits to mask, penalise or bias)."""
         return (
             self.greedy_head is not None
             and session.config.top_logprobs is None
-            and session.config.grammar is None
-            and not session.config.penalized
+            and not session.config.reshapes_logits
             and bool(is_greedy(session.sampling.temperature)[0])
         )
 
@@ -266,8 +265,7 @@ class ModelRunner:
             and logits.dim() == 2
             and logits.shape[1] > 0
             and logits.stride(1) == 1
-            and step.session.config.grammar is None  # its argmax is over the masked logits
-            and not step.session.config.penalized  # ... or the penalised ones
+            and not step.session.config.reshapes_logits  # its argmax is over masked, penalised or biased logits
             and bool(is_greedy(step.session.sampling.temperature)[0])
         )
 

@@ -25,6 +25,7 @@ from target_service.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from target_service.grammar import Constraint
+    from target_service.logit_bias import LogitBias
     from target_service.penalties import Penalties
 
 
@@ -46,10 +47,16 @@ class SessionConfig:
     presence_penalty: float = 0.0  # (target_service.penalties)
     frequency_penalty: float = 0.0
     continued_tokens: int = 0  # the prompt's last tokens that are this generation's output so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether tokens are chosen from logits other than the model's: biased, penalised or masked."""
+        return bool(self.logit_bias) or self.penalized or self.grammar is not None
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -68,6 +75,7 @@ class SessionConfig:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             continued_tokens=params.continued_tokens,
+            logit_bias=params.logit_bias,
         )
 
 
@@ -103,6 +111,8 @@ class Session:
     constraint: Constraint | None = field(default=None, repr=False)
     # The generated tokens' counts, where the config has penalties (target_service.penalties).
     penalties: Penalties | None = field(default=None, repr=False)
+    # The bias added to every row's logits, where the config has one (target_service.logit_bias).
+    logit_bias: LogitBias | None = field(default=None, repr=False)
 
     @property
     def committed_len(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_PENALTY, MAX_TOP_LOGPROBS
+from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
@@ -51,6 +51,12 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
         value = getattr(config, name)
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
             raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    for token, bias in config.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                  f"{MAX_LOGIT_BIAS:g}], got {bias}")
     if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
                               f"{MAX_GRAMMAR_CHARS} this server compiles")

@@ -205,7 +205,12 @@ BAD_HTTP = [
     ("ignore_eos not a bool", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("logprobs 21", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("logprobs -1", {"prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("logit_bias unsupported", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("logit_bias key not a token id", {"prompt": "hi", "logit_bias": {"hello": 10}}, "logit_bias"),
+    ("logit_bias negative key", {"prompt": "hi", "logit_bias": {"-5": 10}}, "logit_bias"),
+    ("logit_bias huge key", {"prompt": "hi", "logit_bias": {"9" * 5000: 10}}, "logit_bias"),
+    ("logit_bias outside the vocabulary", {"prompt": "hi", "logit_bias": {"1000000000": 1}}, "logit_bias"),
+    ("logit_bias 101", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("logit_bias value a string", {"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias"),
     ("presence_penalty 2.5", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty -3", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ("logit_bias wrong type", {"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
@@ -291,6 +296,27 @@ async def test_penalties_reach_the_target_from_http_and_grpc(stack):
         request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75)
         [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
     assert (stack.model.prefilled[-1].presence_penalty, stack.model.prefilled[-1].frequency_penalty) == (0, 0.75)
+    await stack.wait_until_idle()
+
+
+async def test_logit_bias_reaches_the_target_from_http_and_grpc(stack):
+    """OpenAI's logit_bias (token ids as JSON strings) goes to the target's session as a map of ids;
+    gRPC's map field likewise; unset or empty, none."""
+    body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logit_bias": {"7": -100, " 3": 2.5, "11": 100}}
+    assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
+    assert dict(stack.model.prefilled[-1].logit_bias) == {3: 2.5, 7: -100, 11: 100}
+    assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {}})).status_code == 200
+    assert not stack.model.prefilled[-1].logit_bias
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, logit_bias={5: -1.5})
+        [c async for c in stub.Generate(request)]
+        assert dict(stack.model.prefilled[-1].logit_bias) == {5: -1.5}
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            bad = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, logit_bias={5: 250})
+            [c async for c in stub.Generate(bad)]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in refused.value.details()
     await stack.wait_until_idle()
 
 

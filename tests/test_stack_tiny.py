@@ -185,6 +185,27 @@ def test_penalties_change_the_answer_and_speculation_keeps_it(stack) -> None:
     assert answers["off", 1.5] != answers["off", 0.0]
 
 
+def test_logit_bias_bans_tokens_and_speculation_keeps_the_answer(stack) -> None:
+    """Tokens banned with -100 never appear; the biased answer is the same speculating or not, over
+    HTTP (the OpenAI SDK) and gRPC."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    ids, _, _ = grpc_generate(stack, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                              speculation=common_pb2.SPECULATION_MODE_OFF, ignore_eos=True)
+    banned = {token: -100.0 for token in ids[:6]}
+    answers, over_grpc = {}, {}
+    for speculation in ("on", "off"):
+        done = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                         logit_bias={str(t): b for t, b in banned.items()},
+                                         extra_body={"speculation": speculation, "ignore_eos": True})
+        answers[speculation] = done.choices[0].text
+        biased, _, _ = grpc_generate(stack, prompt=PROMPTS[0], max_tokens=40, temperature=0, logit_bias=banned,
+                                     speculation=getattr(common_pb2, f"SPECULATION_MODE_{speculation.upper()}"),
+                                     ignore_eos=True)
+        assert not set(biased) & set(banned) and len(biased) == 40
+        over_grpc[speculation] = biased
+    assert answers["on"] == answers["off"] and over_grpc["on"] == over_grpc["off"]
+
+
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
     """A conversation's second request starts with the first's prompt and answer: the target copies
     their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""

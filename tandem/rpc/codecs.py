@@ -91,6 +91,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         continued_tokens=message.continued_tokens,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
 
 
@@ -105,6 +106,7 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         continued_tokens=params.continued_tokens,
+        logit_bias=dict(params.logit_bias),
     )
 
 

@@ -95,6 +95,9 @@ class SessionParams:
     # The prompt's last tokens that are this generation's own output so far (a session a gateway
     # moved to another target or resynced): the grammar and the penalties count them. 0: none.
     continued_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias) pairs in increasing token id order, each bias in
+    # [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] added to that token's logit at every step. (): none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
@@ -102,6 +105,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 # few KB, a second or two with a 262k vocabulary), so a larger one is refused before it is compiled.
 MAX_GRAMMAR_CHARS = 65536
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 
 
 @dataclass(frozen=True)
