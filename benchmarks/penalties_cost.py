@@ -1,13 +1,16 @@
-"""What presence and frequency penalties cost, and that speculation keeps them: a running stack's
-completions with and without them, speculative and autoregressive, interleaved per prompt.
+"""What presence and frequency penalties (or a logit bias) cost, and that speculation keeps them: a
+running stack's completions with and without them, speculative and autoregressive, interleaved per
+prompt.
 
 Per prompt of the bench set, greedy, ``ignore_eos``, each of four lanes in turn (``on``/``off`` x
 without/with ``frequency_penalty: F``, ``presence_penalty: F / 2``), alternating their order: tokens
 per second of each lane over the run, their ratios, and in how many prompts the speculative and the
-autoregressive answers under the penalties were the same text.
+autoregressive answers under the penalties were the same text. ``--ban WORD ...`` measures
+``logit_bias`` instead: -100 on each token of those words (ids from the server's ``/tokenize``).
 
     tandem serve &   # or any stack
     python benchmarks/penalties_cost.py --url http://127.0.0.1:8000 --limit 12 --max-tokens 64
+    python benchmarks/penalties_cost.py --ban " the" " a" "," --limit 12
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import httpx
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "prompts.jsonl"
 
 
-def complete(client: httpx.Client, prompt: str, speculation: str, penalty: float, max_tokens: int) -> tuple:
+def complete(client: httpx.Client, prompt: str, speculation: str, shaped: dict, max_tokens: int) -> tuple:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculation": speculation,
-            "ignore_eos": True, "frequency_penalty": penalty, "presence_penalty": penalty / 2}
+            "ignore_eos": True, **shaped}
     started = time.perf_counter()
     response = client.post("/v1/completions", json=body)
     seconds = time.perf_counter() - started
@@ -40,29 +43,38 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--penalty", type=float, default=1.0, help="frequency_penalty (presence_penalty: half)")
+    parser.add_argument("--ban", nargs="+", metavar="WORD", help="measure logit_bias -100 on these words' tokens")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.limit]
-    lanes = [(mode, penalty) for mode in ("on", "off") for penalty in (0.0, args.penalty)]
+    lanes = [(mode, shaped) for mode in ("on", "off") for shaped in (False, True)]
     seconds = {lane: 0.0 for lane in lanes}
     tokens = {lane: 0 for lane in lanes}
     same = 0
     with httpx.Client(base_url=args.url, timeout=600) as client:
-        complete(client, prompts[0], "on", args.penalty, 8)  # warm-up, unmeasured
+        what, shaping = "penalties", {"frequency_penalty": args.penalty, "presence_penalty": args.penalty / 2}
+        if args.ban:
+            ids = set()
+            for word in args.ban:
+                answer = client.post("/tokenize", json={"prompt": word, "add_special_tokens": False})
+                ids.update(answer.raise_for_status().json()["tokens"])
+            what, shaping = f"logit_bias ({len(ids)} tokens banned)", {"logit_bias": {str(t): -100 for t in ids}}
+        bodies = {False: {}, True: shaping}
+        complete(client, prompts[0], "on", shaping, 8)  # warm-up, unmeasured
         for i, prompt in enumerate(prompts):
             texts = {}
             for lane in lanes if i % 2 == 0 else reversed(lanes):
-                took, n, texts[lane] = complete(client, prompt, *lane, args.max_tokens)
+                took, n, texts[lane] = complete(client, prompt, lane[0], bodies[lane[1]], args.max_tokens)
                 seconds[lane] += took
                 tokens[lane] += n
-            same += texts[("on", args.penalty)] == texts[("off", args.penalty)]
+            same += texts[("on", True)] == texts[("off", True)]
     rate = {lane: tokens[lane] / seconds[lane] for lane in lanes}
     for mode in ("on", "off"):
-        without, with_ = rate[(mode, 0.0)], rate[(mode, args.penalty)]
-        print(f"{mode:>3}: {without:6.1f} tok/s without, {with_:6.1f} with penalties ({with_ / without:.2f}x)")
-    print(f"on/off with penalties: {rate[('on', args.penalty)] / rate[('off', args.penalty)]:.2f}x; "
-          f"without: {rate[('on', 0.0)] / rate[('off', 0.0)]:.2f}x")
-    print(f"speculative and autoregressive answers under the penalties the same: {same} of {len(prompts)}")
+        without, with_ = rate[(mode, False)], rate[(mode, True)]
+        print(f"{mode:>3}: {without:6.1f} tok/s without, {with_:6.1f} with {what} ({with_ / without:.2f}x)")
+    print(f"on/off with {what}: {rate[('on', True)] / rate[('off', True)]:.2f}x; "
+          f"without: {rate[('on', False)] / rate[('off', False)]:.2f}x")
+    print(f"speculative and autoregressive answers under {what} the same: {same} of {len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -73,19 +73,20 @@ class ChatFormat:
     def uses_fallback(self) -> bool:
         return self.template is not None
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text, ending with an open assistant turn; it carries its own BOS."""
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text, ending with an open assistant turn (unless ``add_generation_prompt`` is
+        False: then as the last message ends); it carries its own BOS."""
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.template, add_generation_prompt=True, tokenize=False
+                conversation, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
-    def token_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def token_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         # The rendered text already holds BOS (templates write it), so add no special tokens.
-        return self.tokenizer(self.render(messages), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.render(messages, add_generation_prompt), add_special_tokens=False)["input_ids"]
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (DESIGN §3): FastAPI routes wired to :class:`GatewayCore`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /health`` (200 when target and draft are serving, else 503; the body
+``/v1/models/{id}``), ``POST /tokenize`` and ``/detokenize`` (:mod:`gateway.tokenize`), ``GET /health`` (200 when target and draft are serving, else 503; the body
 reports each) and ``GET /metrics`` (Prometheus text of the gateway's registry). Every error, FastAPI's own included
 (malformed JSON, wrong types, unknown routes), is answered with OpenAI's error JSON; see
 :mod:`gateway.errors` for the status codes.
@@ -34,6 +34,14 @@ from gateway.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+)
+from gateway.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
 )
 from gateway.validation import RequestFields
 from tandem import telemetry
@@ -125,6 +133,14 @@ def create_app(core: GatewayCore) -> FastAPI:
                                 "model_not_found")
             return JSONResponse(body, status_code=404)
         return model_card()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=keyed)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenize(body, core.model, core.validator)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=keyed)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(body, core.model, core.validator)
 
     @app.get("/health")
     async def health() -> JSONResponse:

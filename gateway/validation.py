@@ -63,7 +63,7 @@ class RequestValidator:
         self._default_chat_max_tokens = default_chat_max_tokens
 
     def validate(self, fields: RequestFields) -> GenerationRequest:
-        self._check_model(fields.model)
+        self.check_model(fields.model)
         n = 1 if fields.n is None else fields.n
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
@@ -73,7 +73,7 @@ class RequestValidator:
         if (fields.messages is None) == (fields.prompt is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
         if fields.messages is not None:
-            prompt_ids, param = self._chat_prompt(fields.messages), "messages"
+            prompt_ids, param = self.chat_prompt(fields.messages), "messages"
             stop += tuple(s for s in self._model.chat.stop_strings if s not in stop)
             stop_token_ids = self._model.chat.stop_token_ids
             default_max_tokens = self._default_chat_max_tokens
@@ -141,7 +141,7 @@ class RequestValidator:
             )
         return top
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model and model != self._model.name:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self._model.name!r}")
 
@@ -195,7 +195,8 @@ class RequestValidator:
             raise InvalidRequest("stop strings must not be empty", param="stop")
         return tuple(dict.fromkeys(stop))
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids a chat request prefills: its messages through the model's chat template."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         for i, message in enumerate(messages):
@@ -205,7 +206,7 @@ class RequestValidator:
                     param=f"messages[{i}].role",
                 )
         try:
-            return self._model.chat.token_ids(messages)
+            return self._model.chat.token_ids(messages, add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 

@@ -67,6 +67,7 @@ class ScriptedModel:
         self.sessions: dict[str, FakeSession] = {}
         self.released: list[str] = []
         self.prefilled: list[common_pb2.SessionParams] = []  # every Prefill's, in order
+        self.prefilled_prompts: list[tuple[int, ...]] = []  # and its prompt
         self.rpcs: list[tuple[str, str]] = []  # (rpc name, session id)
         self.speculate_requests: list[draft_pb2.SpeculateRequest] = []
         self.cancelled_speculations: list[str] = []
@@ -91,6 +92,7 @@ class ScriptedModel:
     def prefill(self, session_id: str, prompt: list[int], params: common_pb2.SessionParams) -> FakeSession:
         self.rpcs.append(("Prefill", session_id))
         self.prefilled.append(params)
+        self.prefilled_prompts.append(tuple(prompt))
         session = self.sessions[session_id] = FakeSession(list(prompt), params)
         session.offset = next(
             (n for n in range(len(prompt) - 1, 0, -1) if prompt[-n:] == self.expected_tokens(n, params.ignore_eos)), 0

@@ -59,9 +59,13 @@ async def test_http_routes_need_a_key_but_health(tokenizer, tiny_dir, caplog):
             assert keyed.status_code == 400
             ok = await client.get("/v1/models", headers={"Authorization": "Bearer sk-first-0123456789"})
             assert ok.status_code == 200
+            for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+                assert (await client.post(path, json=body)).status_code == 401
+                assert (await client.post(path, json=body, headers={"Authorization": "Bearer sk-first-0123456789"})
+                        ).status_code == 200
             assert (await client.get("/health")).status_code == 200
             assert (await client.get("/metrics")).status_code == 200  # open unless --metrics-auth
-        assert stack.metric("tandem_requests_total", status="unauthenticated") == 3
+        assert stack.metric("tandem_requests_total", status="unauthenticated") == 5
         base = f"{stack.base_url}/v1"
         sdk = openai.AsyncOpenAI(base_url=base, api_key="sk-second-abcdef")
         completion = await sdk.completions.create(model=stack.gateway.core.model.name, prompt="Once", max_tokens=5,

@@ -299,6 +299,40 @@ async def test_penalties_reach_the_target_from_http_and_grpc(stack):
     await stack.wait_until_idle()
 
 
+async def test_tokenize_gives_the_ids_a_request_prefills_and_detokenize_reverses_them(stack):
+    """/tokenize answers with exactly the prompt ids a completions or chat request with the same input
+    sends to the target (vLLM's request and response shapes); /detokenize gives the text back."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo, wörld"}]
+    chat = await post(stack, "/tokenize", {"messages": messages, "model": model_name(stack)})
+    assert chat.status_code == 200, chat.text
+    await post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    prefilled = list(stack.model.prefilled_prompts[-1])
+    assert chat.json()["tokens"] == prefilled and chat.json()["count"] == len(prefilled)
+    assert chat.json()["max_model_len"] == 128 and chat.json()["token_strs"] is None
+    text = await post(stack, "/tokenize", {"prompt": "héllo, wörld", "return_token_strs": True})
+    await post(stack, "/v1/completions", {"prompt": "héllo, wörld", "max_tokens": 1})
+    assert text.json()["tokens"] == list(stack.model.prefilled_prompts[-1])
+    assert len(text.json()["token_strs"]) == text.json()["count"]
+    bare = (await post(stack, "/tokenize", {"prompt": "héllo, wörld", "add_special_tokens": False})).json()
+    tokenizer = stack.gateway.core.model.tokenizer
+    assert bare["tokens"] == tokenizer("héllo, wörld", add_special_tokens=False)["input_ids"]
+    open_turn = (await post(stack, "/tokenize", {"messages": messages, "add_generation_prompt": False})).json()
+    assert open_turn["count"] < chat.json()["count"]
+    back = await post(stack, "/detokenize", {"tokens": bare["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "héllo, wörld"}
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        refused = await post(stack, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
+    missing = await post(stack, "/tokenize", {"prompt": "a", "model": "gpt-4"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    await stack.wait_until_idle()
+
+
 async def test_logit_bias_reaches_the_target_from_http_and_grpc(stack):
     """OpenAI's logit_bias (token ids as JSON strings) goes to the target's session as a map of ids;
     gRPC's map field likewise; unset or empty, none."""
