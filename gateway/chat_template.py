@@ -40,9 +40,20 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
 
 @dataclass(frozen=True)
+class ToolCallMade:
+    """A call an assistant message made (the history of a tool-calling conversation)."""
+
+    id: str
+    name: str
+    arguments: Any  # the arguments, parsed from their JSON
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCallMade, ...] = ()  # an assistant message's calls (gateway.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatTemplateError(ValueError):

@@ -27,6 +27,7 @@ from gateway.events import Finished, TextDelta, Usage
 from gateway.generation import Generation
 from gateway.logprobs import chat_logprobs, completion_logprobs, echoed_prompt
 from gateway.token_strings import TokenStrings
+from gateway.tool_stream import ToolCallStream
 from gateway.output import merged
 from gateway.protocol import (
     AssistantMessage,
@@ -106,8 +107,13 @@ async def _whole(generation: Generation, meta: ResponseMeta, index: int) -> tupl
     text, reason = "".join(texts), finished.finish_reason
     if meta.kind == "chat":
         logprobs = _chat_logprobs(meta, merged(deltas))
-        return ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
-                          finish_reason=reason), finished.usage
+        message = AssistantMessage(content=text)
+        calling = generation.request.tool_calling
+        calls = None if calling is None or (reason != "stop" and not calling.forced) else calling.calls(text)
+        if calls is not None:
+            message = AssistantMessage(content=None, tool_calls=calls)
+            reason = calling.finish_reason if reason == "stop" else reason
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason), finished.usage
     prompt, echoed = _echo(generation, meta)
     logprobs = _completion_logprobs(meta, deltas, len(prompt), echoed)
     return CompletionChoice(index=index, text=prompt + text, logprobs=logprobs, finish_reason=reason), finished.usage
@@ -118,6 +124,8 @@ async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
     carry its index; the usage chunk (asked for) comes after every choice's finish."""
     try:
         sent = [0] * len(choices.generations)  # characters streamed per choice (completion logprobs' offsets)
+        tools = [ToolCallStream(g.request.tool_calling) if meta.kind == "chat" and g.request.tool_calling else None
+                 for g in choices.generations]
         for i, generation in enumerate(choices.generations):
             if meta.kind == "chat":
                 yield _event(_chat_chunk(meta, ChatDelta(role="assistant", content=""), index=i))
@@ -129,11 +137,20 @@ async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
         usages: list[Usage] = []
         async for i, event in choices.events():
             if isinstance(event, TextDelta):
-                if event.text or event.logprobs:  # a token's log-probabilities go out even before its text
+                if tools[i] is not None:
+                    delta = tools[i].delta(event.text)
+                    if delta.tool_calls or event.logprobs:
+                        yield _event(_chat_chunk(meta, delta, logprobs=_chat_logprobs(meta, event), index=i))
+                elif event.text or event.logprobs:  # a token's log-probabilities go out even before its text
                     yield _event(_text_chunk(meta, event, sent[i], i))
                     sent[i] += len(event.text)
                 continue
-            yield _event(_finish_chunk(meta, event.finish_reason, i))
+            reason = event.finish_reason
+            if tools[i] is not None:
+                last, reason = tools[i].finish(reason)
+                if last is not None:
+                    yield _event(_chat_chunk(meta, last, index=i))
+            yield _event(_finish_chunk(meta, reason, i))
             usages.append(event.usage)
         if meta.include_usage and len(usages) == len(sent):
             yield _event(_usage_chunk(meta, usage_info(combined_usage(usages))))

@@ -4,9 +4,9 @@ Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
 servers commonly do, but OpenAI features tandem does not implement (``suffix``, ``best_of``;
-on chat, tool calling) are refused explicitly rather than silently ignored: a client that asks for
-a tool call and gets free text back has lost what it asked for. Their neutral values
-(``tool_choice: "none"``) are accepted, since some frontends always send them.
+on chat, ``tool_choice: "auto"``) are refused explicitly rather than silently ignored: a client that
+asks for a tool call and gets free text back has lost what it asked for. Tool calls that are named
+or ``"required"`` are made through structured output (:mod:`gateway.tools`).
 
 ``response_format`` (structured output) takes OpenAI's ``text``, ``json_object`` and
 ``json_schema``, and two of tandem's own, ``{"type": "regex", "regex": ...}`` and ``{"type":
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
+from gateway.tools import NamedToolChoice, ToolCall, ToolCallDelta, ToolCallIn, ToolDef, tool_calling
 from gateway.validation import PromptInput, RequestFields
 from tandem.rpc.types import MAX_TOP_LOGPROBS, Grammar, GrammarKind
 
@@ -49,10 +50,13 @@ class ChatMessageIn(_StrictBody):
     # A string, or OpenAI's list of content parts (text parts only: tandem serves text models).
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def to_message(self) -> ChatMessage:
+    def to_message(self, where: str = "messages") -> ChatMessage:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return ChatMessage(self.role, content)
+        calls = tuple(call.made(f"{where}.tool_calls[{i}]") for i, call in enumerate(self.tool_calls or ()))
+        return ChatMessage(self.role, content, calls, self.tool_call_id)
 
 
 class JsonSchemaFormat(_StrictBody):
@@ -165,21 +169,22 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    # "none", "auto", "required", or {"type": "function", "function": {...}}.
-    tool_choice: str | dict | None = None
+    tools: list[ToolDef] | None = None
+    # "none", "auto" (refused), "required", or {"type": "function", "function": {"name": ...}} (gateway.tools).
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_fields(self) -> RequestFields:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidRequest(
-                'tool calling is not supported by this server; leave tools unset or send tool_choice "none"',
-                param="tools",
-            )
+        calling = tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if calling is not None and self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest("response_format cannot be combined with tool calls (they have a format of their "
+                                 "own); leave one of them out", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._common_fields(max_tokens)
-        fields.messages = [m.to_message() for m in self.messages]
+        fields.messages = [m.to_message(f"messages[{i}]") for i, m in enumerate(self.messages)]
+        fields.tool_calling = calling
         fields.top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return fields
 
@@ -234,12 +239,13 @@ class UsageInfo(BaseModel):
     speculative_decoding: SpeculativeDecodingUsage
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -282,6 +288,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

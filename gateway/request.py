@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.rpc.types import Grammar, SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.tools import ToolCalling
 
 
 class Speculation(str, enum.Enum):
@@ -53,6 +57,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # OpenAI's penalties (target_service.penalties)
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
+    tool_calling: ToolCalling | None = None  # chat: the answer is tool calls (gateway.tools)
 
     @property
     def prompt_logprobs(self) -> bool:

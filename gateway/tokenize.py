@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatMessageIn
 from gateway.served_model import ServedModel
+from gateway.tools import NamedToolChoice, ToolDef, tool_calling
 from gateway.validation import RequestValidator
 
 
@@ -29,6 +30,9 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True  # prompt only: the chat template writes its own
     add_generation_prompt: bool = True  # messages only
+    tools: list[ToolDef] | None = None  # messages only: as a chat request with them prefills (gateway.tools)
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     return_token_strs: bool = False
 
 
@@ -53,7 +57,9 @@ def tokenize(body: TokenizeRequest, model: ServedModel, validator: RequestValida
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        tokens = validator.chat_prompt([m.to_message() for m in body.messages], body.add_generation_prompt)
+        calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages = [m.to_message(f"messages[{i}]") for i, m in enumerate(body.messages)]
+        tokens = validator.chat_prompt(messages, body.add_generation_prompt, calling)
     else:  # as RequestValidator tokenizes a completion's text
         tokens = model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     strs = [str(piece) for piece in model.tokenizer.convert_ids_to_tokens(tokens)] if body.return_token_strs else None

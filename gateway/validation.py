@@ -16,6 +16,7 @@ from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
+from gateway.tools import ToolCalling, rendered
 from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Grammar
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
@@ -55,6 +56,7 @@ class RequestFields:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
 
 
 class RequestValidator:
@@ -73,7 +75,7 @@ class RequestValidator:
         if (fields.messages is None) == (fields.prompt is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
         if fields.messages is not None:
-            prompt_ids, param = self.chat_prompt(fields.messages), "messages"
+            prompt_ids, param = self.chat_prompt(fields.messages, calling=fields.tool_calling), "messages"
             stop += tuple(s for s in self._model.chat.stop_strings if s not in stop)
             stop_token_ids = self._model.chat.stop_token_ids
             default_max_tokens = self._default_chat_max_tokens
@@ -99,6 +101,7 @@ class RequestValidator:
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
             logit_bias=self._logit_bias(fields.logit_bias),
+            tool_calling=fields.tool_calling,
         )
 
     def _logit_bias(self, bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
@@ -123,7 +126,10 @@ class RequestValidator:
 
     @staticmethod
     def _grammar(fields: RequestFields) -> Grammar | None:
-        """The request's grammar; the target compiles it (and refuses one that does not compile)."""
+        """The request's grammar, or its tool calls' (gateway.tools); the target compiles it (and refuses
+        one that does not compile)."""
+        if fields.tool_calling is not None:
+            fields.grammar = fields.tool_calling.grammar()
         if fields.grammar is not None and fields.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with structured output: the text ends when it is "
                                  "complete", param="ignore_eos")
@@ -195,8 +201,10 @@ class RequestValidator:
             raise InvalidRequest("stop strings must not be empty", param="stop")
         return tuple(dict.fromkeys(stop))
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids a chat request prefills: its messages through the model's chat template."""
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    calling: ToolCalling | None = None) -> list[int]:
+        """The token ids a chat request prefills: its messages (with its tools, gateway.tools)
+        through the model's chat template."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         for i, message in enumerate(messages):
@@ -206,7 +214,8 @@ class RequestValidator:
                     param=f"messages[{i}].role",
                 )
         try:
-            return self._model.chat.token_ids(messages, add_generation_prompt)
+            return self._model.chat.token_ids(rendered(messages, calling, self._model.chat.uses_fallback),
+                                              add_generation_prompt)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +31,25 @@ CACHE_BYTES = 512 * 2**20
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled; the message says why (for the caller)."""
+
+
+def check_json_schema(schema: str) -> None:
+    """Raises :class:`GrammarError` for a JSON Schema that no tokenizer's compiler would take (no
+    tokenizer needed: a quick check where one is not at hand)."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False)
+    except Exception as error:  # noqa: BLE001 (as in GrammarCompiler.compile)
+        raise GrammarError(_reason(error)) from error
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its time and source location (``[12:00:00] /x/y.cc:12: ``)."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text.splitlines()[-1])[:500]
 
 
 class GrammarCompiler:
@@ -58,8 +78,7 @@ class GrammarCompiler:
                 return compiler.compile_regex(grammar.spec)
             return compiler.compile_grammar(grammar.spec)
         except Exception as error:  # noqa: BLE001 (xgrammar raises RuntimeError/ValueError for a bad spec)
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            raise GrammarError(f"grammar: this {grammar.kind.value} cannot be compiled: {message[:500]}") from error
+            raise GrammarError(f"grammar: this {grammar.kind.value} cannot be compiled: {_reason(error)}") from error
 
     def prepare(self) -> None:
         """Builds the tokenizer's table now (else the first grammar pays for it)."""

@@ -240,8 +240,23 @@ BAD_CHAT = [
      "top_logprobs"),
     ("top_logprobs 21", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
-    ("tool calling unsupported", {"messages": [{"role": "user", "content": "hi"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool_choice auto (the default with tools)", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ("tool_choice names no tool", {"messages": [{"role": "user", "content": "hi"}],
+                                   "tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("tools with response_format", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                                    "tools": [{"type": "function", "function": {"name": "f"}}],
+                                    "response_format": {"type": "json_object"}}, "response_format"),
+    ("tool parameters not a schema", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                                      "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                          "type": "whatever"}}}]}, "tools[0].function.parameters"),
+    ("tool call arguments not JSON", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f",
+                                                                                           "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0]"),
 ]
 
 
@@ -340,7 +355,8 @@ async def test_logit_bias_reaches_the_target_from_http_and_grpc(stack):
             "logit_bias": {"7": -100, " 3": 2.5, "11": 100}}
     assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
     assert dict(stack.model.prefilled[-1].logit_bias) == {3: 2.5, 7: -100, 11: 100}
-    assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {}})).status_code == 200
+    unbiased = await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {}})
+    assert unbiased.status_code == 200
     assert not stack.model.prefilled[-1].logit_bias
     async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)

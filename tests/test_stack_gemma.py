@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 from stack import running_stack
@@ -114,6 +115,7 @@ def test_shipped_eagle_head_is_lossless(gemma, draft, proposer) -> None:
             assert usage.speculative_decoding.rounds > 0 and usage.speculative_decoding.draft_tokens > 0
         if draft == "auto":
             assert_structured_output_is_lossless(stack)
+            assert_tool_calls_are_lossless(stack)
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -139,3 +141,29 @@ def assert_structured_output_is_lossless(stack) -> None:
         assert answers[attempt, common_pb2.SPECULATION_MODE_ON] == answers[attempt, common_pb2.SPECULATION_MODE_OFF]
         time.sleep(3)
     assert json.loads(answers[1, common_pb2.SPECULATION_MODE_ON]) == {"name": "Maria Lopez", "age": 34}
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIMER_TOOL = {"type": "function", "function": {
+    "name": "set_timer", "parameters": {"type": "object", "properties": {"minutes": {"type": "integer", "maximum": 1440}},
+                                        "required": ["minutes"], "additionalProperties": False}}}
+
+
+def assert_tool_calls_are_lossless(stack) -> None:
+    """gemma-3-270m, told its tools by the gateway, calls the one the request needs, with the
+    arguments it asks for; speculation makes the same call."""
+    body = {"messages": [{"role": "user", "content": "What's the weather like in Lisbon right now? Use celsius."}],
+            "tools": [WEATHER_TOOL, TIMER_TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 64, "temperature": 0}
+    calls = {}
+    for mode in ("on", "off"):
+        answer = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**body, "speculation": mode},
+                            timeout=300).json()
+        assert answer["choices"][0]["finish_reason"] == "tool_calls", answer
+        calls[mode] = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                       for c in answer["choices"][0]["message"]["tool_calls"]]
+    assert calls["on"] == calls["off"] == [("get_weather", {"city": "Lisbon", "unit": "celsius"})]

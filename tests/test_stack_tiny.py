@@ -206,6 +206,47 @@ def test_logit_bias_bans_tokens_and_speculation_keeps_the_answer(stack) -> None:
     assert answers["on"] == answers["off"] and over_grpc["on"] == over_grpc["off"]
 
 
+SETTINGS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "loud": {"type": "boolean"}},
+            "required": ["unit", "loud"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "set_units", "parameters": SETTINGS}},
+         {"type": "function", "function": {"name": "reset"}}]
+
+
+def test_tool_calls_are_valid_whole_and_streamed_and_speculation_keeps_them(stack) -> None:
+    """The target's grammar makes every call valid, on a random model too; the speculative and the
+    autoregressive calls are the same, and the streamed call is the whole one."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    named = {"type": "function", "function": {"name": "set_units"}}
+    answers = {}
+    for speculation in ("on", "off"):
+        for choice in ("required", named):
+            done = client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice=choice,
+                                                  parallel_tool_calls=False, max_tokens=60, temperature=0,
+                                                  extra_body={"speculation": speculation})
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in done.choices[0].message.tool_calls]
+            assert len(calls) == 1 and done.choices[0].finish_reason == ("stop" if choice is named else "tool_calls")
+            name, arguments = calls[0]
+            if name == "set_units":
+                jsonschema.validate(arguments, SETTINGS)
+            else:
+                assert (name, arguments) == ("reset", {}) and choice == "required"
+            answers[speculation, str(choice)] = calls
+    for choice in ("required", str(named)):
+        assert answers["on", choice] == answers["off", choice]
+    streamed = client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice=named,
+                                              max_tokens=60, temperature=0, stream=True)
+    parts = [c.choices[0].delta.tool_calls[0] for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert json.loads("".join(p.function.arguments for p in parts)) == answers["on", str(named)][0][1]
+    # The next turn: the call and its result in the history, as an agent loop sends them.
+    call_id = "call_abc"
+    history = messages + [{"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {
+        "name": "set_units", "arguments": json.dumps(answers["on", str(named)][0][1])}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "done"}]
+    after = client.chat.completions.create(model="", messages=history, max_tokens=8, temperature=0)
+    assert after.choices[0].message.tool_calls is None and after.choices[0].message.content is not None
+
+
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
     """A conversation's second request starts with the first's prompt and answer: the target copies
     their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""
