@@ -1,11 +1,12 @@
 """Tool calls on a running stack: what they cost, whether speculation keeps its speedup under them,
 and how often the model picks the function a task needs.
 
-Agent-style requests (one user message, five tools), greedy, ``tool_choice: "required"`` with
-``parallel_tool_calls: false``, each lane (``on``/``off``) in turn per task, alternating the order:
-seconds per answer, tokens per second, how many calls are valid under their function's schema and
-name the expected function, and whether the speculative and the autoregressive calls agree. The
-first request (which compiles the tools' schema) is timed apart and not counted.
+Agent-style requests (one user message, five tools), greedy, ``tool_choice: "required"`` (or
+``--tool-choice auto``) with ``parallel_tool_calls: false``, each lane (``on``/``off``) in turn per
+task, alternating the order: seconds per answer, tokens per second, how many calls are valid under
+their function's schema and name the expected function, and whether the speculative and the
+autoregressive calls agree. The first request (which compiles the tools' schema) is timed apart
+and not counted.
 
     tandem serve &   # or any stack
     python benchmarks/tool_calls.py --url http://127.0.0.1:8000
@@ -54,8 +55,9 @@ TASKS = [
 ]
 
 
-def ask(client: httpx.Client, task: str, speculation: str, max_tokens: int) -> tuple[float, dict]:
-    body = {"messages": [{"role": "user", "content": task}], "tools": TOOLS, "tool_choice": "required",
+def ask(client: httpx.Client, task: str, speculation: str, max_tokens: int, choice: str = "required"
+        ) -> tuple[float, dict]:
+    body = {"messages": [{"role": "user", "content": task}], "tools": TOOLS, "tool_choice": choice,
             "parallel_tool_calls": False, "max_tokens": max_tokens, "temperature": 0, "speculation": speculation}
     started = time.perf_counter()
     response = client.post("/v1/chat/completions", json=body)
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--show", action="store_true", help="print each speculative call")
+    parser.add_argument("--tool-choice", default="required", choices=["required", "auto"],
+                        help="auto: the model may answer in text (counted as no call)")
     parser.add_argument("--settle", type=float, default=6.0,
                         help="seconds for the draft to compile the schema before the measured requests")
     args = parser.parse_args()
@@ -90,7 +94,7 @@ def main() -> None:
         time.sleep(args.settle)
         for i, (_, task) in enumerate(TASKS):
             for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                took, answer = ask(client, task, mode, args.max_tokens)
+                took, answer = ask(client, task, mode, args.max_tokens, args.tool_choice)
                 seconds[mode].append(took)
                 tokens[mode] += answer["usage"]["completion_tokens"]
                 calls[mode].append(call_of(answer))

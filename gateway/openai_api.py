@@ -139,7 +139,7 @@ async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
             if isinstance(event, TextDelta):
                 if tools[i] is not None:
                     delta = tools[i].delta(event.text)
-                    if delta.tool_calls or event.logprobs:
+                    if delta.tool_calls or delta.content or event.logprobs:
                         yield _event(_chat_chunk(meta, delta, logprobs=_chat_logprobs(meta, event), index=i))
                 elif event.text or event.logprobs:  # a token's log-probabilities go out even before its text
                     yield _event(_text_chunk(meta, event, sent[i], i))

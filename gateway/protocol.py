@@ -3,10 +3,9 @@
 Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, but OpenAI features tandem does not implement (``suffix``, ``best_of``;
-on chat, ``tool_choice: "auto"``) are refused explicitly rather than silently ignored: a client that
-asks for a tool call and gets free text back has lost what it asked for. Tool calls that are named
-or ``"required"`` are made through structured output (:mod:`gateway.tools`).
+servers commonly do, but OpenAI features tandem does not implement (``suffix``, ``best_of``) are
+refused explicitly rather than silently ignored: a client that asks for something and gets less
+back has lost what it asked for. Tool calls are made through structured output (:mod:`gateway.tools`).
 
 ``response_format`` (structured output) takes OpenAI's ``text``, ``json_object`` and
 ``json_schema``, and two of tandem's own, ``{"type": "regex", "regex": ...}`` and ``{"type":
@@ -170,7 +169,7 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
-    # "none", "auto" (refused), "required", or {"type": "function", "function": {"name": ...}} (gateway.tools).
+    # "none", "auto", "required", or {"type": "function", "function": {"name": ...}} (gateway.tools).
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 

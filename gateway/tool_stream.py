@@ -3,6 +3,8 @@
 A named function's call opens with its id and name and then grows by argument deltas as tokens
 come; ``"required"`` calls are sent whole when the answer ends, since a call in the middle of the
 JSON array is not yet known to be one (their tokens' log-probabilities still stream as they come).
+Under ``"auto"`` the answer's first character other than white space decides: ``[`` opens calls
+(sent whole at the end), anything else is text, streamed as content as it comes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ class ToolCallStream:
         self.calling = calling
         self._text: list[str] = []
         self._opened = False
+        self._content: bool | None = None if calling.auto else False  # auto: text or calls, not yet known
 
     def delta(self, text: str) -> ChatDelta:
         """The delta that carries a piece of the answer's text."""
         self._text.append(text)
+        if self._content is None and text.strip():
+            self._content = not text.lstrip().startswith("[")
+            if self._content:  # with the white space held so far
+                return ChatDelta(content="".join(self._text))
+        if self._content:
+            return ChatDelta(content=text)
         if self.calling.forced is None:
             return ChatDelta()  # held until the end
         if not self._opened:
@@ -30,6 +39,10 @@ class ToolCallStream:
 
     def finish(self, reason: str) -> tuple[ChatDelta | None, str]:
         """The last delta (None: nothing left to send) and the finish reason OpenAI gives."""
+        if self._content:  # text, streamed already
+            return None, reason
+        if self._content is None:  # white space, or nothing
+            return ChatDelta(content="".join(self._text)) if "".join(self._text) else None, reason
         text = "".join(self._text)
         if self.calling.forced is not None:
             opened = None if self._opened else self.delta("")

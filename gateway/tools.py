@@ -1,22 +1,23 @@
 """Tool calling (OpenAI's ``tools`` and ``tool_choice``) through structured output.
 
-A request that names a function (``tool_choice: {"type": "function", "function": {"name": F}}``) or
-asks for ``"required"`` gets calls that are valid by construction, from any model: the target's
+A request with ``tools`` gets calls that are valid by construction, from any model: the target's
 grammar (``target_service.grammar``) admits only
 
-- for a named function, its arguments: one JSON object valid under the function's ``parameters``;
+- for a named function (``tool_choice: {"type": "function", "function": {"name": F}}``), its
+  arguments: one JSON object valid under the function's ``parameters``;
 - for ``"required"``, a JSON array of one or more calls, ``[{"name": N, "parameters": {...}}, ...]``,
-  each item valid under its own function's schema (one item if ``parallel_tool_calls`` is false).
+  each item valid under its own function's schema (one item if ``parallel_tool_calls`` is false);
+- for ``"auto"`` (the default with tools), either such an array or text that does not begin with
+  ``[`` (white space aside): the model decides with its first token, and the first character other
+  than white space says what it decided.
 
-The response carries them as ``message.tool_calls`` (``finish_reason`` ``"tool_calls"`` for
-``"required"``, ``"stop"`` for a named function, as OpenAI answers). The model learns the tools from
-a system message tandem writes (:func:`rendered`), and earlier calls and their results in the
-conversation are written the same way, so the model sees one format throughout. ``"auto"`` (a model
-deciding between text and calls) needs a model trained to call tools and a parser of its format;
-tandem refuses it with a 400 rather than ignore the tools.
+The response carries calls as ``message.tool_calls`` (``finish_reason`` ``"tool_calls"``, or
+``"stop"`` for a named function, as OpenAI answers) and text as ``content``. The model learns the
+tools from a system message tandem writes (:func:`rendered`), and earlier calls and their results in
+the conversation are written the same way, so the model sees one format throughout.
 
 Invariant: the text a tool-calling generation produces is parsed by :meth:`ToolCalling.calls` into
-the calls it returns; text cut short by ``max_tokens`` is returned as content, never dropped.
+the calls it returns, or returned as content (text, or calls cut short by ``max_tokens``), never dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.chat_template import ChatMessage, ToolCallMade
 from gateway.errors import InvalidRequest
-from tandem.grammar import GrammarError, check_json_schema
+from tandem.grammar import GrammarError, array_or_text, check_json_schema
 from tandem.rpc.types import Grammar, GrammarKind
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -127,11 +128,13 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """The calls a request asks for: of ``forced`` alone, or (None: ``"required"``) of any tools."""
+    """The calls a request asks for: of ``forced`` alone, or (None: ``"required"``) of any tools, or
+    (``auto``) calls or text."""
 
     tools: tuple[Tool, ...]
     forced: str | None = None
     parallel: bool = True
+    auto: bool = False
 
     @property
     def finish_reason(self) -> str:
@@ -144,6 +147,8 @@ class ToolCalling:
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
                            "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}
         calls = {"type": "array", "items": item, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        if self.auto:
+            return Grammar(GrammarKind.EBNF, array_or_text(json.dumps(calls)))
         return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(calls))
 
     def instructions(self) -> str:
@@ -155,6 +160,8 @@ class ToolCalling:
         else:
             answer = ('Answer with a JSON array of the calls to make, each {"name": <function name>, '
                       '"parameters": <its arguments>}' + ("." if self.parallel else ", one call only."))
+            if self.auto:
+                answer = f"If calling them helps to answer: {answer[0].lower()}{answer[1:]} Otherwise answer in text."
         return f"You can call these functions:\n{listed}\n{answer}"
 
     def calls(self, text: str) -> list[ToolCall] | None:
@@ -163,6 +170,8 @@ class ToolCalling:
         from the text, None where it is not whole."""
         if self.forced is not None:
             return [ToolCall(id=call_id(), function=FunctionCall(name=self.forced, arguments=text))]
+        if self.auto and not text.lstrip().startswith("["):
+            return None  # the model answered in text
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -183,10 +192,6 @@ def tool_calling(tools: list[ToolDef] | None, choice: str | NamedToolChoice | No
         return None
     if not tools:
         raise InvalidRequest("tool_choice asks for tool calls, but the request has no tools", param="tool_choice")
-    if choice == "auto":
-        raise InvalidRequest('tool_choice "auto" is not supported by this server (its model has no tool-call format '
-                             'to detect); send tool_choice "required", a named function, or "none"',
-                             param="tool_choice")
     found: dict[str, Tool] = {}
     for i, tool in enumerate(tools):
         name = tool.function.name
@@ -203,7 +208,7 @@ def tool_calling(tools: list[ToolDef] | None, choice: str | NamedToolChoice | No
         if forced not in found:
             raise InvalidRequest(f"tool_choice names the function {forced!r}, which is not among the tools",
                                  param="tool_choice")
-    return ToolCalling(tuple(found.values()), forced, parallel is not False)
+    return ToolCalling(tuple(found.values()), forced, parallel is not False, auto=choice == "auto")
 
 
 def _check_schema(schema: dict, where: str) -> None:

@@ -44,6 +44,18 @@ def check_json_schema(schema: str) -> None:
         raise GrammarError(_reason(error)) from error
 
 
+def array_or_text(schema: str) -> str:
+    """An EBNF grammar (GBNF notation, rule ``root``) of either a JSON array under ``schema`` or text
+    whose first character other than white space is not ``[`` (white space alone, or nothing, too):
+    so that character says which it is. (A chat turn's first token often carries a space.)"""
+    import xgrammar
+
+    array = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=False)
+    spaced = xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf("root ::= [ \\t\\n]*"), array)
+    text = xgrammar.Grammar.from_ebnf("root ::= [ \\t\\n]* ([^[ \\t\\n] [^\\0]*)?")
+    return str(xgrammar.Grammar.union(spaced, text))
+
+
 def _reason(error: Exception) -> str:
     """xgrammar's message without its time and source location (``[12:00:00] /x/y.cc:12: ``)."""
     text = str(error).strip()

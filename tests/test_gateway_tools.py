@@ -32,9 +32,9 @@ def test_what_a_request_may_ask() -> None:
     assert [t.name for t in required.tools] == ["get_weather", "now"] and required.forced is None
     assert required.tools[1].parameters == {"type": "object", "properties": {}}  # no parameters: no arguments
     assert tool_calling(TOOLS, named("now"), False).forced == "now"
+    assert tool_calling(TOOLS, None, None) == tool_calling(TOOLS, "auto", None)  # tools without a choice: "auto"
+    assert tool_calling(TOOLS, "auto", None).auto and not required.auto
     bad = [
-        (TOOLS, None, "tool_choice", '"auto" is not supported'),  # tools without a choice mean "auto"
-        (TOOLS, "auto", "tool_choice", '"auto" is not supported'),
         (TOOLS, "sometimes", "tool_choice", "must be"),
         (None, "required", "tool_choice", "no tools"),
         (TOOLS, named("rain"), "tool_choice", "not among the tools"),
@@ -63,6 +63,16 @@ def test_the_grammar_admits_exactly_the_calls_asked_for() -> None:
         jsonschema.validate([{"name": "now", "parameters": {}}] * 2, one)
     forced = tool_calling(TOOLS, named("get_weather"), None).grammar()
     assert forced.kind is GrammarKind.JSON_SCHEMA and json.loads(forced.spec) == WEATHER
+    auto = tool_calling(TOOLS, "auto", None).grammar()  # calls, or text that does not begin with "["
+    assert auto.kind is GrammarKind.EBNF
+    import xgrammar
+
+    def accepts(text: str) -> bool:
+        return xgrammar.testing._is_grammar_accept_string(auto.spec, text)
+
+    assert accepts('[{"name": "now", "parameters": {}}]') and accepts("It is sunny.") and accepts("")
+    assert accepts(' [{"name": "now", "parameters": {}}]') and accepts(" It is [sunny].")
+    assert not accepts('[{"name": "rain", "parameters": {}}]') and not accepts(" [not a call")
 
 
 def test_the_model_sees_its_tools_and_earlier_calls_in_one_format() -> None:
@@ -96,6 +106,16 @@ def test_calls_are_read_back_from_the_text_and_streamed_as_openai_does() -> None
     cut = ToolCallStream(required)
     cut.delta(text[:20])
     assert cut.finish("length") == (cut.finish("length")[0], "length") and cut.finish("length")[0].content == text[:20]
+    auto = tool_calling(TOOLS, "auto", None)
+    assert auto.calls("It is sunny.") is None and auto.calls(text)[1].function.name == "now"
+    talking = ToolCallStream(auto)
+    assert talking.delta("").content is None and talking.delta(" ").content is None
+    assert talking.delta("It is").content == " It is"  # with the white space held
+    assert talking.delta(" [sunny]").content == " [sunny]" and talking.finish("stop") == (None, "stop")
+    calling = ToolCallStream(auto)
+    assert calling.delta(" " + text[:9]).content is None and calling.delta(text[9:]).tool_calls is None
+    last, reason = calling.finish("stop")
+    assert reason == "tool_calls" and len(last.tool_calls) == 2
     forced = ToolCallStream(tool_calling(TOOLS, named("get_weather"), None))
     first, second = forced.delta('{"city": '), forced.delta('"Oslo"}')
     assert first.tool_calls[0].id and first.tool_calls[0].function.name == "get_weather"

@@ -238,6 +238,24 @@ def test_tool_calls_are_valid_whole_and_streamed_and_speculation_keeps_them(stac
                                               max_tokens=60, temperature=0, stream=True)
     parts = [c.choices[0].delta.tool_calls[0] for c in streamed if c.choices and c.choices[0].delta.tool_calls]
     assert json.loads("".join(p.function.arguments for p in parts)) == answers["on", str(named)][0][1]
+    # "auto" (no tool_choice): the model calls or answers in text, and either way speculation agrees.
+    for prompt in PROMPTS:
+        auto = {}
+        for speculation in ("on", "off"):
+            done = client.chat.completions.create(model="", messages=[{"role": "user", "content": prompt}],
+                                                  tools=TOOLS, max_tokens=40, temperature=0,
+                                                  extra_body={"speculation": speculation})
+            message, reason = done.choices[0].message, done.choices[0].finish_reason
+            if message.tool_calls:
+                assert reason == "tool_calls" and message.content is None
+                for call in message.tool_calls:
+                    jsonschema.validate(json.loads(call.function.arguments), SETTINGS if call.function.name ==
+                                        "set_units" else {"type": "object"})
+            else:
+                assert not message.content.lstrip().startswith("[") and reason in ("stop", "length")
+            auto[speculation] = (message.content, [(c.function.name, c.function.arguments)
+                                                   for c in message.tool_calls or ()])
+        assert auto["on"] == auto["off"]
     # The next turn: the call and its result in the history, as an agent loop sends them.
     call_id = "call_abc"
     history = messages + [{"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {
