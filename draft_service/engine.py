@@ -26,6 +26,7 @@ from typing import Protocol
 from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.errors import SessionBusyError, TokenizerMismatchError
 from draft_service.guide import GrammarGuide
+from draft_service.prediction import PredictedSession
 from draft_service.hop import HopStats
 from draft_service.loop import BlockVerifier, PendingCommit, SpeculationLoop
 from draft_service.pipeline import PipelinedLoop
@@ -243,6 +244,9 @@ class DraftEngine:
     def _new_session(self, spec: SessionSpec) -> ProposerSession:
         """A proposer session for ``spec`` (on the model thread), guided by its grammar where it has one."""
         session = self.proposer.new_session(spec.token_ids, spec.sampling)
+        if spec.prediction_token_ids:  # the output begins where the client's text does (a moved session: earlier)
+            start = spec.prompt_len - spec.continued_tokens
+            session = PredictedSession(session, spec.prediction_token_ids, start, spec.token_ids)
         return session if self._guide is None else self._guide.wrap(session, spec)
 
     def _count_pipelined(self, loop: SpeculationLoop) -> None:

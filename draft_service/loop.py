@@ -17,6 +17,7 @@ from draft_service.block_length import AcceptanceTally, BlockLengthPolicy
 from draft_service.block_shape import BlockShapes
 from draft_service.errors import DivergedError, ProtocolError
 from draft_service.hop import HopStats
+from draft_service.prediction import is_predicted
 from draft_service.proposers.base import ProposerSession
 from draft_service.types import FinishReason, Proposal, ProposedBlock, RoundResult, SessionSpec, Verdict, VerdictStatus
 
@@ -56,6 +57,16 @@ def root_path(proposal: Proposal, tokens: Sequence[int]) -> list[int]:
             break
         path.append(node)
     return path
+
+
+def prediction_counts(proposal: Proposal, committed: Sequence[int], num_accepted: int) -> tuple[int, int]:
+    """Of a verified block's drafts, those copied from the prediction (draft_service.prediction),
+    and those of them on the accepted path."""
+    drafted = [i for i, source in enumerate(proposal.sources) if is_predicted(source)]
+    if not drafted:
+        return 0, 0
+    path = root_path(proposal, committed[:num_accepted])
+    return len(drafted), sum(is_predicted(proposal.sources[i]) for i in path)
 
 
 class BlockVerifier(Protocol):
@@ -170,6 +181,7 @@ class SpeculationLoop:
             self._pending_commit = (base_len, committed, verdict.hidden_states)
             self._committed_len += len(committed)
             self._streamed += len(committed)
+            predicted, predicted_accepted = prediction_counts(proposal, committed, verdict.num_accepted)
             yield RoundResult(
                 token_ids=committed,
                 committed_len=verdict.committed_len,
@@ -183,6 +195,8 @@ class SpeculationLoop:
                 exchange_seconds=answered - asked,
                 step_seconds=verdict.step_seconds,
                 logprobs=verdict.logprobs,
+                num_prediction_drafts=predicted,
+                num_prediction_accepted=predicted_accepted,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

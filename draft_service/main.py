@@ -23,6 +23,7 @@ from draft_service.block_length import BlockLengthPolicy
 from draft_service.engine import DraftEngine
 from draft_service.errors import IncompatibleDraftError, TokenizerMismatchError
 from draft_service.guide import GrammarGuide
+from draft_service.prediction import with_prediction_prior
 from draft_service.proposers import Proposer, make_proposer
 from draft_service.server import SERVICE_NAME, DraftServicer
 from draft_service.target_client import TargetClient
@@ -130,7 +131,8 @@ async def start_draft(
             worker,
             metrics if metrics is not None else make_metrics("draft"),
             default_k=num_speculative_tokens,
-            block_lengths=BlockLengthPolicy(prior=proposer.acceptance_prior) if cut_blocks else None,
+            block_lengths=(BlockLengthPolicy(prior=with_prediction_prior(proposer.acceptance_prior)) if cut_blocks
+                           else None),
             pipeline_depth=pipeline_depth,
             pipeline_hedges=pipeline_hedges,
             pipeline_ahead=pipeline_ahead,

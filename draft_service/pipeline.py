@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.errors import ProtocolError
-from draft_service.loop import PendingCommit, PipelinedVerifier, SpeculationLoop
+from draft_service.loop import PendingCommit, PipelinedVerifier, SpeculationLoop, prediction_counts
 from draft_service.types import FinishReason, Proposal, ProposedBlock, RoundResult, VerdictStatus
 
 
@@ -137,6 +137,7 @@ class PipelinedLoop(SpeculationLoop):
             self._streamed += len(committed)
             self._learn(flight.proposal, flight.sources, verdict, seconds=answered - flight.sent if flight.alone else None,
                         propose_seconds=flight.proposed - flight.started)
+            predicted, predicted_accepted = prediction_counts(flight.proposal, committed, verdict.num_accepted)
             yield RoundResult(
                 token_ids=committed, committed_len=verdict.committed_len, finish_reason=verdict.finish_reason,
                 num_draft_tokens=len(flight.proposal.token_ids), num_accepted=verdict.num_accepted,
@@ -144,6 +145,7 @@ class PipelinedLoop(SpeculationLoop):
                 num_draft_positions=flight.proposal.positions, propose_seconds=flight.proposed - flight.started,
                 exchange_seconds=answered - flight.sent, step_seconds=verdict.step_seconds,
                 logprobs=verdict.logprobs,
+                num_prediction_drafts=predicted, num_prediction_accepted=predicted_accepted,
             )
             if verdict.finish_reason is not FinishReason.NONE:
                 return

@@ -132,6 +132,7 @@ class SessionSpec:
     target_address: str = ""  # the target holding the session ("host:port" of the draft's pool); "" = its first
     grammar: Grammar | None = None  # a constrained session's grammar: its drafts follow it (draft_service.guide)
     continued_tokens: int = 0  # the prompt's last tokens that are the session's output so far (a moved session)
+    prediction_token_ids: tuple[int, ...] = ()  # a predicted output to draft from (draft_service.prediction)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,9 @@ class RoundResult:
     exchange_seconds: float = 0.0  # of round_seconds: the Verify round trip (verify_seconds within it)
     step_seconds: float = 0.0  # the verdict's (Verdict.step_seconds), for the gateway
     logprobs: tuple[TokenLogprob, ...] = ()  # the verdict's, one per token (when the session asked)
+    # Of num_draft_tokens, those copied from the prediction; of num_accepted, those of them accepted.
+    num_prediction_drafts: int = 0
+    num_prediction_accepted: int = 0
 
 
 @dataclass(frozen=True)

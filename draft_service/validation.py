@@ -8,6 +8,7 @@ import math
 from draft_service.errors import InvalidRequestError
 from draft_service.types import SessionSpec, TargetInfo
 from tandem.rpc import addresses
+from tandem.rpc.types import MAX_PREDICTION_TOKENS
 
 MAX_SPECULATIVE_TOKENS = 64
 MAX_SESSION_ID_LEN = 256
@@ -52,6 +53,14 @@ def _first_problem(spec: SessionSpec, target: TargetInfo) -> str | None:
         return f"params.max_new_tokens must be >= 0, got {spec.session_max_new_tokens}"
     if spec.max_new_tokens < 0:
         return f"max_new_tokens must be >= 0 (0 = until the session finishes), got {spec.max_new_tokens}"
+    if spec.prediction_token_ids:
+        low, high = min(spec.prediction_token_ids), max(spec.prediction_token_ids)
+        if low < 0 or (target.vocab_size and high >= target.vocab_size):
+            bad = low if low < 0 else high
+            return f"prediction_token_ids contain {bad}, outside the target vocabulary [0, {target.vocab_size})"
+        if len(spec.prediction_token_ids) > MAX_PREDICTION_TOKENS:
+            return (f"prediction_token_ids holds {len(spec.prediction_token_ids)} tokens, "
+                    f"more than {MAX_PREDICTION_TOKENS}")
     return _address_problem(spec.target_address)
 
 

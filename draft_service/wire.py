@@ -28,6 +28,7 @@ def spec_from_request(request: draft_pb2.SpeculateRequest, default_k: int) -> Se
         target_address=request.target_address,
         grammar=_grammar(params),
         continued_tokens=params.continued_tokens,
+        prediction_token_ids=tuple(request.prediction_token_ids),
     )
 
 
@@ -54,6 +55,8 @@ def speculate_response(result: RoundResult) -> draft_pb2.SpeculateResponse:
         num_draft_positions=result.num_draft_positions,
         step_seconds=result.step_seconds,
         logprobs=codecs.token_logprobs_to_wire(result.logprobs),
+        num_prediction_drafts=result.num_prediction_drafts,
+        num_prediction_accepted=result.num_prediction_accepted,
     )
 
 

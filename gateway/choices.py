@@ -48,6 +48,8 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         stats.accepted_tokens += s.accepted_tokens
         stats.fallbacks += s.fallbacks
         stats.empty_rounds += s.empty_rounds
+        stats.prediction_drafts += s.prediction_drafts
+        stats.prediction_accepted += s.prediction_accepted
         stats.modes_used |= s.modes_used
         stats.fallback_reason = stats.fallback_reason or s.fallback_reason
     return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), stats, first.cached_prompt_tokens)

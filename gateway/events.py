@@ -32,6 +32,9 @@ class SpeculationStats:
     fallbacks: int = 0
     fallback_reason: str | None = None
     empty_rounds: int = 0
+    # With a predicted output: drafts copied from it, and those of them accepted (draft_service.prediction).
+    prediction_drafts: int = 0
+    prediction_accepted: int = 0
     # Modes that produced tokens after the first one (which always comes from Prefill).
     modes_used: set[Mode] = field(default_factory=set)
     final_mode: Mode = Mode.SPECULATIVE

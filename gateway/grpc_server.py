@@ -69,6 +69,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
         logit_bias=dict(request.logit_bias),
+        prediction=request.prediction or None,
     )
     if request.HasField("grammar"):
         try:
@@ -83,11 +84,14 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
 
 
 def usage_to_proto(usage: Usage) -> gateway_pb2.Usage:
+    stats = usage.speculative_decoding
     return gateway_pb2.Usage(
         prompt_tokens=usage.prompt_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        accepted_prediction_tokens=stats.prediction_accepted,
+        rejected_prediction_tokens=stats.prediction_drafts - stats.prediction_accepted,
         speculative_decoding=gateway_pb2.SpeculativeDecodingStats(
             **{**usage.speculative_decoding.to_json(), "fallback_reason": usage.speculative_decoding.fallback_reason or ""}
         ),

@@ -227,4 +227,5 @@ class LegReader:
             num_speculative_tokens=self._request.num_speculative_tokens or self._deps.default_num_speculative_tokens,
             tokenizer_fingerprint=self._deps.model.fingerprint,
             max_new_tokens=max_new_tokens,
+            prediction_token_ids=self._request.prediction_token_ids,
         )

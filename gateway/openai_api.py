@@ -39,6 +39,7 @@ from gateway.protocol import (
     ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     CompletionResponse,
     PromptTokensDetails,
     SpeculativeDecodingUsage,
@@ -75,6 +76,10 @@ def usage_info(usage: Usage) -> UsageInfo:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=usage.speculative_decoding.prediction_accepted,
+            rejected_prediction_tokens=usage.speculative_decoding.prediction_drafts
+            - usage.speculative_decoding.prediction_accepted),
         speculative_decoding=SpeculativeDecodingUsage(**usage.speculative_decoding.to_json()),
     )
 

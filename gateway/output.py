@@ -115,6 +115,8 @@ class Output:
             self._stats.rounds += 1
             self._stats.draft_tokens += batch.num_draft_tokens
             self._stats.accepted_tokens += batch.num_accepted
+            self._stats.prediction_drafts += batch.num_prediction_drafts
+            self._stats.prediction_accepted += batch.num_prediction_accepted
             self._metrics.record_round(batch.num_draft_tokens, batch.num_accepted)
         elif batch.mode is Mode.SPECULATIVE and batch.token_ids:
             self._stats.empty_rounds += 1  # a block without drafts: the target's own token

@@ -66,6 +66,16 @@ class JsonSchemaFormat(_StrictBody):
     strict: bool | None = None  # the schema is followed exactly either way
 
 
+class PredictedOutput(_StrictBody):
+    """OpenAI's ``prediction``: text the answer is expected to repeat (draft_service.prediction)."""
+
+    type: Literal["content"]
+    content: str | list[TextContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ResponseFormat(_StrictBody):
     type: str
     json_schema: JsonSchemaFormat | None = None
@@ -132,6 +142,7 @@ class _GenerationBody(_StrictBody):
         None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
     )
     response_format: ResponseFormat | None = None
+    prediction: PredictedOutput | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -139,6 +150,7 @@ class _GenerationBody(_StrictBody):
 
     def _common_fields(self, max_tokens: int | None) -> RequestFields:
         return RequestFields(
+            prediction=None if self.prediction is None else self.prediction.text(),
             logit_bias=_token_keys(self.logit_bias),
             grammar=None if self.response_format is None else self.response_format.to_grammar(),
             presence_penalty=self.presence_penalty,
@@ -229,12 +241,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    # OpenAI's, for a request with a prediction: its tokens that the draft proposed and the target
+    # accepted, and those it proposed and the target rejected (0 without one).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # OpenAI's: of prompt_tokens, those served from the target's prefix cache.
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
     speculative_decoding: SpeculativeDecodingUsage
 
 

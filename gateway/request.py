@@ -58,6 +58,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
     tool_calling: ToolCalling | None = None  # chat: the answer is tool calls (gateway.tools)
+    prediction_token_ids: tuple[int, ...] = ()  # a predicted output the draft copies from (draft_service.prediction)
 
     @property
     def prompt_logprobs(self) -> bool:

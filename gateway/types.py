@@ -37,6 +37,9 @@ class Batch:
     # and the seconds the target spent verifying it.
     num_draft_positions: int = 0
     verify_seconds: float = 0.0
+    # Of num_draft_tokens, those copied from the request's prediction; of num_accepted, those accepted.
+    num_prediction_drafts: int = 0
+    num_prediction_accepted: int = 0
     # What a pass of one row per session costs the target now, estimated by it (0: not reported),
     # and, for a Generate message, the pass that decoded it (the two differ beside speculating
     # sessions, whose rows widen the pass): the step that speculation is weighed against.

@@ -17,7 +17,14 @@ from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.served_model import ServedModel
 from gateway.tools import ToolCalling, rendered
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Grammar
+from tandem.rpc.types import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_PREDICTION_TOKENS,
+    MAX_TOP_LOGPROBS,
+    Grammar,
+)
 
 MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
 
@@ -57,6 +64,7 @@ class RequestFields:
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
+    prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
 
 
 class RequestValidator:
@@ -102,7 +110,18 @@ class RequestValidator:
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
             logit_bias=self._logit_bias(fields.logit_bias),
             tool_calling=fields.tool_calling,
+            prediction_token_ids=self._prediction(fields.prediction),
         )
+
+    def _prediction(self, text: str | None) -> tuple[int, ...]:
+        """The predicted output's tokens, as the answer would spell them (no special tokens)."""
+        if not text:
+            return ()
+        ids = self._model.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > MAX_PREDICTION_TOKENS:
+            raise InvalidRequest(f"prediction has {len(ids)} tokens, more than the {MAX_PREDICTION_TOKENS} a draft "
+                                 "copies from", param="prediction")
+        return tuple(ids)
 
     def _logit_bias(self, bias: dict[int, float] | None) -> tuple[tuple[int, float], ...]:
         """(token id, bias) pairs in token id order; every id in the vocabulary, every bias in range."""

@@ -51,6 +51,7 @@ def speculate_request(
     tokenizer_fingerprint: str,
     max_new_tokens: int,
     target_address: str = "",
+    prediction_token_ids: Sequence[int] = (),
 ) -> draft_pb2.SpeculateRequest:
     return draft_pb2.SpeculateRequest(
         session_id=session_id,
@@ -61,6 +62,7 @@ def speculate_request(
         num_speculative_tokens=num_speculative_tokens,
         tokenizer_fingerprint=tokenizer_fingerprint,
         max_new_tokens=max_new_tokens,
+        prediction_token_ids=prediction_token_ids,
     )
 
 
@@ -109,4 +111,6 @@ def batch_from_speculate(response: draft_pb2.SpeculateResponse) -> Batch:
         verify_seconds=response.verify_seconds,
         step_seconds=response.step_seconds,
         logprobs=codecs.token_logprobs(response.logprobs),
+        num_prediction_drafts=response.num_prediction_drafts,
+        num_prediction_accepted=response.num_prediction_accepted,
     )

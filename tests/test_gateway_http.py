@@ -240,6 +240,8 @@ BAD_CHAT = [
      "top_logprobs"),
     ("top_logprobs 21", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
+    ("prediction of another type", {"messages": [{"role": "user", "content": "hi"}],
+                                    "prediction": {"type": "file", "content": "x"}}, "prediction"),
     ("tool_choice unknown", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "maybe",
                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("tool_choice names no tool", {"messages": [{"role": "user", "content": "hi"}],

@@ -265,6 +265,28 @@ def test_tool_calls_are_valid_whole_and_streamed_and_speculation_keeps_them(stac
     assert after.choices[0].message.tool_calls is None and after.choices[0].message.content is not None
 
 
+def test_a_predicted_output_is_drafted_from_and_changes_nothing_but_the_rounds(stack) -> None:
+    """The answer itself as the prediction: the draft copies it (accepted, in the usage), and the
+    answer is the one without a prediction, over HTTP and gRPC."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    plain = client.chat.completions.create(model="", messages=messages, max_tokens=40, temperature=0,
+                                           extra_body={"speculation": "on"})
+    answer = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    predicted = client.chat.completions.create(model="", messages=messages, max_tokens=40, temperature=0,
+                                               prediction={"type": "content", "content": answer},
+                                               extra_body={"speculation": "on"})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= predicted.usage.completion_tokens // 2, predicted.usage
+    assert predicted.usage.speculative_decoding["rounds"] < plain.usage.speculative_decoding["rounds"]
+    ids, text, chunks = grpc_generate(stack, messages=[gateway_pb2.ChatMessage(role="user", content=PROMPTS[0])],
+                                      max_tokens=40, temperature=0, prediction=answer,
+                                      speculation=common_pb2.SPECULATION_MODE_ON)
+    assert text == answer and chunks[-1].usage.accepted_prediction_tokens > 0
+
+
 def test_the_next_turn_prefills_only_what_is_new_and_answers_the_same(stack, reference) -> None:
     """A conversation's second request starts with the first's prompt and answer: the target copies
     their KV cache (usage ``prompt_tokens_details.cached_tokens``) and answers as a whole prefill would."""

@@ -106,6 +106,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 MAX_GRAMMAR_CHARS = 65536
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
+MAX_PREDICTION_TOKENS = 65536  # the longest predicted output a draft copies from (an answer longer is not asked for)
 
 
 @dataclass(frozen=True)

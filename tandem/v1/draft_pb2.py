@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x19\n\x17\x44raftServiceInfoRequest\"\xb3\x01\n\x18\x44raftServiceInfoResponse\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12\x19\n\x11target_model_name\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\x05\"\xe6\x01\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprompt_len\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.tandem.v1.SessionParams\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x05\x12\x16\n\x0etarget_address\x18\x08 \x01(\t\"\xab\x02\n\x11SpeculateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05\x12\x15\n\rround_seconds\x18\x06 \x01(\x02\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x02\x12\x1b\n\x13num_draft_positions\x18\x08 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\t \x01(\x02\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs2\xa9\x01\n\x0c\x44raftService\x12O\n\x04Info\x12\".tandem.v1.DraftServiceInfoRequest\x1a#.tandem.v1.DraftServiceInfoResponse\x12H\n\tSpeculate\x12\x1b.tandem.v1.SpeculateRequest\x1a\x1c.tandem.v1.SpeculateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x19\n\x17\x44raftServiceInfoRequest\"\xb3\x01\n\x18\x44raftServiceInfoResponse\x12\x10\n\x08proposer\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\x05\x12\x19\n\x11target_model_name\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x06 \x01(\x05\"\x84\x02\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\nprompt_len\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.tandem.v1.SessionParams\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x05\x12\x16\n\x0etarget_address\x18\x08 \x01(\t\x12\x1c\n\x14prediction_token_ids\x18\t \x03(\x05\"\xeb\x02\n\x11SpeculateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x05 \x01(\x05\x12\x15\n\rround_seconds\x18\x06 \x01(\x02\x12\x16\n\x0everify_seconds\x18\x07 \x01(\x02\x12\x1b\n\x13num_draft_positions\x18\x08 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\t \x01(\x02\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x1d\n\x15num_prediction_drafts\x18\x0b \x01(\x05\x12\x1f\n\x17num_prediction_accepted\x18\x0c \x01(\x05\x32\xa9\x01\n\x0c\x44raftService\x12O\n\x04Info\x12\".tandem.v1.DraftServiceInfoRequest\x1a#.tandem.v1.DraftServiceInfoResponse\x12H\n\tSpeculate\x12\x1b.tandem.v1.SpeculateRequest\x1a\x1c.tandem.v1.SpeculateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSERVICEINFORESPONSE']._serialized_start=88
   _globals['_DRAFTSERVICEINFORESPONSE']._serialized_end=267
   _globals['_SPECULATEREQUEST']._serialized_start=270
-  _globals['_SPECULATEREQUEST']._serialized_end=500
-  _globals['_SPECULATERESPONSE']._serialized_start=503
-  _globals['_SPECULATERESPONSE']._serialized_end=802
-  _globals['_DRAFTSERVICE']._serialized_start=805
-  _globals['_DRAFTSERVICE']._serialized_end=974
+  _globals['_SPECULATEREQUEST']._serialized_end=530
+  _globals['_SPECULATERESPONSE']._serialized_start=533
+  _globals['_SPECULATERESPONSE']._serialized_end=896
+  _globals['_DRAFTSERVICE']._serialized_start=899
+  _globals['_DRAFTSERVICE']._serialized_end=1068
 # @@protoc_insertion_point(module_scope)
