@@ -22,7 +22,8 @@ FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthChe
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "seed", "stop", "stream", "stream_options", "speculation", "num_speculative_tokens", "ignore_eos",
           "stream_smoothing", "logit_bias", "presence_penalty", "logprobs", "echo", "suffix", "best_of", "user",
-          "response_format", "tools", "tool_choice"]
+          "response_format", "tools", "tool_choice", "parallel_tool_calls", "prediction", "tokens",
+          "add_generation_prompt", "return_token_strs"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
@@ -38,6 +39,19 @@ bodies = st.one_of(
     st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=60), st.lists(st.integers(-5, 70_000), max_size=8))},
                           optional={k: json_values for k in ("max_tokens", "temperature", "stream", "stop", "top_p")}),
     st.fixed_dictionaries({"messages": messages}, optional={k: json_values for k in ("max_tokens", "stream", "n")}),
+    # Tool calls: well-formed tools around hostile names, schemas and choices.
+    st.fixed_dictionaries(
+        {"messages": messages,
+         "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+             {"name": st.one_of(st.sampled_from(["f", "get_weather"]), st.text(max_size=8))},
+             optional={"parameters": st.one_of(json_values, st.just({"type": "object", "properties": {
+                 "a": {"type": "integer"}}}))})}), max_size=3)},
+        optional={"tool_choice": st.one_of(json_values, st.sampled_from(["auto", "required", "none"]),
+                                           st.just({"type": "function", "function": {"name": "f"}})),
+                  "max_tokens": st.integers(1, 8), "stream": st.booleans(), "parallel_tool_calls": json_values}),
+    st.fixed_dictionaries({"prompt": st.text(max_size=20)},
+                          optional={"logit_bias": st.dictionaries(st.text(max_size=6), json_values, max_size=3),
+                                    "prediction": json_values, "max_tokens": st.integers(1, 8)}),
 )
 
 
@@ -69,7 +83,7 @@ def baseline(client) -> str:
 
 
 @FUZZ
-@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=bodies)
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), body=bodies)
 def test_any_json_body_gets_a_clear_answer_below_500(client, baseline, route, body):
     with client.stream("POST", route, json=body) as reply:
         text = reply.read().decode(errors="replace")
