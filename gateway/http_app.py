@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API (DESIGN §3): FastAPI routes wired to :class:`GatewayCore`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``POST /tokenize`` and ``/detokenize`` (:mod:`gateway.tokenize`), ``GET /health`` (200 when target and draft are serving, else 503; the body
-reports each) and ``GET /metrics`` (Prometheus text of the gateway's registry). Every error, FastAPI's own included
-(malformed JSON, wrong types, unknown routes), is answered with OpenAI's error JSON; see
-:mod:`gateway.errors` for the status codes.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(:mod:`gateway.responses_api`), ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /tokenize``
+and ``/detokenize`` (:mod:`gateway.tokenize`), ``GET /health`` (200 when target and draft are
+serving, else 503; the body reports each) and ``GET /metrics`` (Prometheus text of the gateway's
+registry). Every error, FastAPI's own included (malformed JSON, wrong types, unknown routes), is
+answered with OpenAI's error JSON; see :mod:`gateway.errors` for the status codes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -22,7 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
-from gateway import openai_api
+from gateway import openai_api, responses_output
+from gateway.choices import Choices
 from gateway.core import GatewayCore
 from gateway.errors import GatewayError, Overloaded, Unauthenticated, openai_error
 from gateway.http_util import ClientDisconnected, ClosingStreamingResponse, cancel_on_disconnect, invalid_body
@@ -35,6 +37,8 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
+from gateway.responses_api import ResponsesRequest
+from gateway.responses_output import ResponseShape
 from gateway.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -110,13 +114,18 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
         meta = ResponseMeta("chat", core.model.name, body.include_usage, strings=core.model.strings)
-        return await _generate(core, body.to_fields, meta, body.stream, request)
+        return await _generate(core, body.to_fields, _OpenAIShape(meta), body.stream, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
         meta = ResponseMeta("completion", core.model.name, body.include_usage, strings=core.model.strings,
                             echo=body.echo)
-        return await _generate(core, body.to_fields, meta, body.stream, request)
+        return await _generate(core, body.to_fields, _OpenAIShape(meta), body.stream, request)
+
+    @app.post("/v1/responses", dependencies=keyed)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        shape = ResponseShape(core.model.name, None, body.max_output_tokens, body.temperature, body.top_p)
+        return await _generate(core, body.to_fields, _ResponsesShape(shape), body.stream, request)
 
     def model_card() -> ModelCard:
         return ModelCard(id=core.model.name, created=started, max_model_len=core.model.max_context_len)
@@ -162,20 +171,51 @@ def create_app(core: GatewayCore) -> FastAPI:
     return app
 
 
+class _OpenAIShape:
+    """Chat and completions objects (gateway.openai_api)."""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta, self.operation, self.id = meta, _OPERATIONS[meta.kind], meta.id
+
+    def events(self, choices: Choices) -> AsyncIterator[str]:
+        return openai_api.stream(choices, self.meta)
+
+    async def whole(self, choices: Choices) -> Any:
+        return await openai_api.complete(choices, self.meta)
+
+
+class _ResponsesShape:
+    """Responses API objects (gateway.responses_output); what the request asked for (its tools)
+    is known once it is validated."""
+
+    operation = "chat"
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape, self.id = shape, shape.id
+
+    def events(self, choices: Choices) -> AsyncIterator[str]:
+        self.shape.calling = choices.generations[0].request.tool_calling
+        return responses_output.stream(choices, self.shape)
+
+    async def whole(self, choices: Choices) -> Any:
+        self.shape.calling = choices.generations[0].request.tool_calling
+        return JSONResponse(await responses_output.complete(choices, self.shape))
+
+
 async def _generate(
     core: GatewayCore,
     read_fields: Callable[[], RequestFields],
-    meta: ResponseMeta,
+    shape: _OpenAIShape | _ResponsesShape,
     stream: bool,
     request: Request,
 ) -> Response | ChatCompletionResponse | CompletionResponse:
     # The request's trace span: continues the client's trace when it sent a traceparent header.
     span = telemetry.GenerationSpan.start(
-        _OPERATIONS[meta.kind],
+        shape.operation,
         core.model.name,
         carrier=request.headers if telemetry.enabled() else None,
         attributes={"http.request.method": request.method, "url.path": request.url.path,
-                    "gen_ai.response.id": meta.id},
+                    "gen_ai.response.id": shape.id},
     )
     try:
         with span.active():
@@ -207,13 +247,13 @@ async def _generate(
                 await generation.aclose()
             span.end(generation.usage)
 
-        return ClosingStreamingResponse(span.stream(openai_api.stream(generation, meta)), on_close=close,
+        return ClosingStreamingResponse(span.stream(shape.events(generation)), on_close=close,
                                         stall_s=core.stream_stall_s)
     try:
         with span.active():
             async with generation:
                 try:
-                    response = await cancel_on_disconnect(request.receive, openai_api.complete(generation, meta))
+                    response = await cancel_on_disconnect(request.receive, shape.whole(generation))
                 except ClientDisconnected:
                     response = Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException as exc:

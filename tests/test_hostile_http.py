@@ -23,7 +23,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "seed", "stop", "stream", "stream_options", "speculation", "num_speculative_tokens", "ignore_eos",
           "stream_smoothing", "logit_bias", "presence_penalty", "logprobs", "echo", "suffix", "best_of", "user",
           "response_format", "tools", "tool_choice", "parallel_tool_calls", "prediction", "tokens",
-          "add_generation_prompt", "return_token_strs"]
+          "add_generation_prompt", "return_token_strs", "input", "instructions", "max_output_tokens", "text",
+          "previous_response_id", "store"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
@@ -49,6 +50,13 @@ bodies = st.one_of(
         optional={"tool_choice": st.one_of(json_values, st.sampled_from(["auto", "required", "none"]),
                                            st.just({"type": "function", "function": {"name": "f"}})),
                   "max_tokens": st.integers(1, 8), "stream": st.booleans(), "parallel_tool_calls": json_values}),
+    st.fixed_dictionaries({"input": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+        {}, optional={"type": st.sampled_from(["message", "function_call", "function_call_output", "x"]),
+                      "role": st.sampled_from(["user", "assistant", "tool", ""]), "content": json_values,
+                      "call_id": json_values, "name": json_values, "arguments": json_values,
+                      "output": json_values}), max_size=3))},
+                          optional={"text": json_values, "tools": json_values, "max_output_tokens": json_values,
+                                    "stream": st.booleans(), "instructions": json_values}),
     st.fixed_dictionaries({"prompt": st.text(max_size=20)},
                           optional={"logit_bias": st.dictionaries(st.text(max_size=6), json_values, max_size=3),
                                     "prediction": json_values, "max_tokens": st.integers(1, 8)}),
@@ -83,7 +91,8 @@ def baseline(client) -> str:
 
 
 @FUZZ
-@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), body=bodies)
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]),
+       body=bodies)
 def test_any_json_body_gets_a_clear_answer_below_500(client, baseline, route, body):
     with client.stream("POST", route, json=body) as reply:
         text = reply.read().decode(errors="replace")

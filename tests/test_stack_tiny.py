@@ -265,6 +265,35 @@ def test_tool_calls_are_valid_whole_and_streamed_and_speculation_keeps_them(stac
     assert after.choices[0].message.tool_calls is None and after.choices[0].message.content is not None
 
 
+def test_the_responses_api_answers_as_chat_does_speculating_or_not(stack) -> None:
+    """``/v1/responses`` through the OpenAI SDK: the same text as the chat route for the same
+    conversation, a valid structured answer and tool call, speculative and autoregressive alike."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    chat = client.chat.completions.create(model="", messages=[{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": PROMPTS[1]}],
+                                          max_tokens=24, temperature=0)
+    answers = {}
+    for speculation in ("on", "off"):
+        extra = {"speculation": speculation}
+        text = client.responses.create(model="", instructions="Be brief.", input=PROMPTS[1], max_output_tokens=24,
+                                       temperature=0, extra_body=extra)
+        assert text.output_text == chat.choices[0].message.content
+        events = list(client.responses.create(model="", instructions="Be brief.", input=PROMPTS[1],
+                                              max_output_tokens=24, temperature=0, stream=True, extra_body=extra))
+        assert events[-1].response.output_text == text.output_text
+        shaped = client.responses.create(model="", input=PROMPTS[2], max_output_tokens=60, temperature=0,
+                                         text={"format": {"type": "json_schema", "name": "s", "schema": SETTINGS}},
+                                         extra_body=extra)
+        jsonschema.validate(json.loads(shaped.output_text), SETTINGS)
+        called = client.responses.create(model="", input=PROMPTS[0], max_output_tokens=60, temperature=0,
+                                         tools=[{"type": "function", "name": "set_units", "parameters": SETTINGS}],
+                                         tool_choice="required", parallel_tool_calls=False, extra_body=extra)
+        assert [item.type for item in called.output] == ["function_call"]
+        jsonschema.validate(json.loads(called.output[0].arguments), SETTINGS)
+        answers[speculation] = (text.output_text, shaped.output_text, called.output[0].arguments)
+    assert answers["on"] == answers["off"]
+
+
 def test_a_predicted_output_is_drafted_from_and_changes_nothing_but_the_rounds(stack) -> None:
     """The answer itself as the prediction: the draft copies it (accepted, in the usage), and the
     answer is the one without a prediction, over HTTP and gRPC."""
