@@ -174,10 +174,10 @@ class ToolCalling:
             return None  # the model answered in text
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+            return [ToolCall(id=call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+                    for c in value]
+        except (json.JSONDecodeError, TypeError, KeyError):  # not whole (or, against the grammar, not calls)
             return None
-        return [ToolCall(id=call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-                for c in value]
 
 
 def tool_calling(tools: list[ToolDef] | None, choice: str | NamedToolChoice | None, parallel: bool | None

@@ -99,6 +99,7 @@ def test_calls_are_read_back_from_the_text_and_streamed_as_openai_does() -> None
         ("get_weather", {"city": "Oslo"}), ("now", {})]
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
     assert required.calls(text[:20]) is None  # cut short by max_tokens
+    assert required.calls('{"name": "now"}') is None and required.calls('[{"name": "now"}]') is None
     stream = ToolCallStream(required)
     assert all(stream.delta(text[i:i + 7]).tool_calls is None for i in range(0, len(text), 7))
     last, reason = stream.finish("stop")
