@@ -127,6 +127,12 @@ def create_app(core: GatewayCore) -> FastAPI:
         shape = ResponseShape(core.model.name, None, body.max_output_tokens, body.temperature, body.top_p)
         return await _generate(core, body.to_fields, _ResponsesShape(shape), body.stream, request)
 
+    @app.get("/v1/responses/{response_id}", dependencies=keyed)
+    async def stored_response(response_id: str) -> JSONResponse:
+        body = openai_error(f"no response {response_id!r}: this server stores no responses (store is not kept)",
+                            "invalid_request_error", "response_id", "not_found")
+        return JSONResponse(body, status_code=404)
+
     def model_card() -> ModelCard:
         return ModelCard(id=core.model.name, created=started, max_model_len=core.model.max_context_len)
 

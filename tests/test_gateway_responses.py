@@ -93,5 +93,7 @@ async def test_a_named_call_comes_back_as_a_function_call_item(stack) -> None:
     assert events[3].arguments == call.arguments
     async with httpx.AsyncClient(base_url=stack.base_url) as client:
         refused = await client.post("/v1/responses", json={"input": "x", "previous_response_id": "r"})
+        missing = await client.get(f"/v1/responses/{done.id}")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
+    assert missing.status_code == 404 and "stores no responses" in missing.json()["error"]["message"]
     await stack.wait_until_idle()
