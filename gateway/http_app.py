@@ -124,7 +124,8 @@ def create_app(core: GatewayCore) -> FastAPI:
 
     @app.post("/v1/responses", dependencies=keyed)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        shape = ResponseShape(core.model.name, None, body.max_output_tokens, body.temperature, body.top_p)
+        shape = ResponseShape(core.model.name, None, body.max_output_tokens, body.temperature, body.top_p,
+                              strings=core.model.strings)
         return await _generate(core, body.to_fields, _ResponsesShape(shape), body.stream, request)
 
     @app.get("/v1/responses/{response_id}", dependencies=keyed)

@@ -26,6 +26,9 @@ from gateway.validation import RequestFields
 from tandem.rpc.types import Grammar
 
 
+LOGPROBS = "message.output_text.logprobs"  # the include item that asks for log-probabilities
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -88,6 +91,10 @@ class ResponsesRequest(_Body):
     # "none", "auto", "required", or {"type": "function", "name": ...}.
     tool_choice: str | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Log-probabilities: with "message.output_text.logprobs" in include, each token's and its
+    # top_logprobs (0..20) most probable alternatives', on the output_text part and its deltas.
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     store: bool | None = None  # accepted; tandem stores nothing
     user: str | None = None
     previous_response_id: str | None = None
@@ -126,6 +133,7 @@ class ResponsesRequest(_Body):
                               else self.stream_smoothing),
             grammar=grammar,
             tool_calling=calling,
+            top_logprobs=(self.top_logprobs or 0) if LOGPROBS in (self.include or ()) else None,
         )
 
     def _messages(self) -> list[ChatMessage]:

@@ -29,6 +29,8 @@ from typing import Any
 from gateway.choices import Choices
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.events import Finished, TextDelta, Usage
+from gateway.logprobs import chat_logprobs
+from gateway.token_strings import TokenStrings
 from gateway.tools import ToolCall, ToolCalling
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ class ResponseShape:
     """One response's fixed parts (id, model, time, what the request asked for) and its objects."""
 
     def __init__(self, model: str, calling: ToolCalling | None, max_output_tokens: int | None,
-                 temperature: float | None, top_p: float | None) -> None:
+                 temperature: float | None, top_p: float | None, strings: TokenStrings | None = None) -> None:
+        self.strings = strings  # token ids as text, for log-probabilities (when asked for)
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -65,16 +68,23 @@ class ResponseShape:
             "usage": None if usage is None else _usage(usage),
         }
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [_text_part(text)] if status != "in_progress" else []}
+                "content": [_text_part(text, logprobs)] if status != "in_progress" else []}
 
-    def output(self, text: str, reason: str) -> list[dict]:
+    def output(self, text: str, reason: str, logprobs: list[dict] | None = None) -> list[dict]:
         """The finished output: the calls the text makes (when tools were asked for and called), else the message."""
         calls = self.calls(text, reason)
         if calls is not None:
             return [_function_call(call) for call in calls]
-        return [self.message(text, "completed" if reason != "length" else "incomplete")]
+        return [self.message(text, "completed" if reason != "length" else "incomplete", logprobs)]
+
+    def logprobs(self, deltas: list[TextDelta]) -> list[dict]:
+        """The deltas' tokens' log-probabilities as the Responses API shows them ([] when not asked for)."""
+        pairs = [pair for delta in deltas for pair in zip(delta.token_ids, delta.logprobs)]
+        if not pairs or self.strings is None:
+            return []
+        return [token.model_dump() for token in chat_logprobs(self.strings, pairs).content]
 
     def calls(self, text: str, reason: str) -> list[ToolCall] | None:
         calling = self.calling
@@ -83,8 +93,8 @@ class ResponseShape:
         return calling.calls(text)
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _function_call(call: ToolCall) -> dict[str, Any]:
@@ -104,18 +114,18 @@ def _status(reason: str) -> str:
 
 async def complete(choices: Choices, shape: ResponseShape) -> dict[str, Any]:
     """Runs the generation to its end and returns the whole response."""
-    texts: list[str] = []
+    deltas: list[TextDelta] = []
     finished: Finished | None = None
     async with aclosing(choices.generations[0].events()) as events:
         async for event in events:
             if isinstance(event, TextDelta):
-                texts.append(event.text)
+                deltas.append(event)
             else:
                 finished = event
     if finished is None:
         raise UpstreamFailure("generation ended without a finish reason")
-    text = "".join(texts)
-    return shape.response(_status(finished.finish_reason), shape.output(text, finished.finish_reason), finished.usage)
+    text, reason = "".join(d.text for d in deltas), finished.finish_reason
+    return shape.response(_status(reason), shape.output(text, reason, shape.logprobs(deltas)), finished.usage)
 
 
 async def stream(choices: Choices, shape: ResponseShape) -> AsyncIterator[str]:
@@ -136,34 +146,38 @@ async def stream(choices: Choices, shape: ResponseShape) -> AsyncIterator[str]:
         yield event("response.in_progress", response=shape.response("in_progress", []))
         calling = shape.calling
         mode = "text" if calling is None else "undecided" if calling.auto else "calls"
-        parts: list[str] = []
+        deltas: list[TextDelta] = []
+        sent = 0  # of deltas, those streamed into the message
         opened = False  # the message item, with text streamed into it
         async with aclosing(choices.generations[0].events()) as events:
             async for item in events:
                 if isinstance(item, TextDelta):
-                    parts.append(item.text)
+                    deltas.append(item)
                     if mode == "undecided" and item.text.strip():
-                        mode = "calls" if "".join(parts).lstrip().startswith("[") else "text"
-                        delta = "".join(parts)  # with the white space held so far
-                    else:
-                        delta = item.text
-                    if mode == "text" and delta:
+                        mode = "calls" if "".join(d.text for d in deltas).lstrip().startswith("[") else "text"
+                    held = deltas[sent:]  # (under "auto": the white space held until text was certain)
+                    if mode == "text" and (item.text or item.logprobs):
                         if not opened:
                             opened = True
                             for opening in open_message():
                                 yield opening
-                        yield event("response.output_text.delta", delta=delta, logprobs=[], **text_item)
+                        yield event("response.output_text.delta", delta="".join(d.text for d in held),
+                                    logprobs=shape.logprobs(held), **text_item)
+                        sent = len(deltas)
                     continue
-                text, reason = "".join(parts), item.finish_reason
-                output = shape.output(text, reason)
+                text, reason = "".join(d.text for d in deltas), item.finish_reason
+                output = shape.output(text, reason, shape.logprobs(deltas))
                 if output[0]["type"] == "message":
                     if not opened:  # the text comes whole (held for calls that did not come, or none)
                         for opening in open_message():
                             yield opening
-                        if text:
-                            yield event("response.output_text.delta", delta=text, logprobs=[], **text_item)
-                    yield event("response.output_text.done", text=text, logprobs=[], **text_item)
-                    yield event("response.content_part.done", part=_text_part(text), **text_item)
+                    if sent < len(deltas):
+                        held = deltas[sent:]
+                        yield event("response.output_text.delta", delta="".join(d.text for d in held),
+                                    logprobs=shape.logprobs(held), **text_item)
+                    part = output[0]["content"][0]
+                    yield event("response.output_text.done", text=text, logprobs=part["logprobs"], **text_item)
+                    yield event("response.content_part.done", part=part, **text_item)
                     yield event("response.output_item.done", output_index=0, item=output[0])
                 else:
                     for index, call in enumerate(output):

@@ -97,3 +97,21 @@ async def test_a_named_call_comes_back_as_a_function_call_item(stack) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "previous_response_id"
     assert missing.status_code == 404 and "stores no responses" in missing.json()["error"]["message"]
     await stack.wait_until_idle()
+
+
+async def test_log_probabilities_when_included(stack) -> None:
+    """With "message.output_text.logprobs" in include: one entry per output token on the text part,
+    and the same entries spread over the stream's deltas."""
+    sdk = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    ask = {"model": stack.gateway.core.model.name, "input": "Say hi", "max_output_tokens": 5,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = await sdk.responses.create(**ask)
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens == 5
+    assert all(len(token.top_logprobs) == 2 and token.logprob <= 0 for token in part.logprobs)
+    assert stack.model.prefilled[-1].top_logprobs == 2
+    events = [e async for e in await sdk.responses.create(**ask, stream=True)]
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert not (await sdk.responses.create(**{**ask, "include": []})).output[0].content[0].logprobs
+    await stack.wait_until_idle()
