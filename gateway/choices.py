@@ -55,6 +55,9 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
     return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), stats, first.cached_prompt_tokens)
 
 
+SHARED_PROMPT_TOKENS = 64  # a shorter prompt prefills side by side sooner than after the first choice's
+
+
 class Choices:
     def __init__(self, generations: Sequence[Generation]) -> None:
         if not generations:
@@ -74,8 +77,15 @@ class Choices:
         return combined_usage([g.usage for g in self.generations])
 
     async def start(self) -> None:
-        """Prefills every choice (side by side); raises what the first failure raised."""
-        await asyncio.gather(*(g.start() for g in self.generations))
+        """Prefills every choice; raises what the first failure raised. Choices of a prompt long
+        enough to share are prefilled after the first: the target then starts them from a copy of
+        its cache (``SessionStore.shared_prefix``) and prefills only their last token."""
+        first, rest = self.generations[0], self.generations[1:]
+        if rest and len(first.request.prompt_token_ids) >= SHARED_PROMPT_TOKENS:
+            await first.start()
+            await asyncio.gather(*(g.start() for g in rest))
+        else:
+            await asyncio.gather(*(g.start() for g in self.generations))
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) as the choices produce them; each choice's events end with its

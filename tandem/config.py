@@ -143,7 +143,8 @@ class TargetSettings(_Base):
     prefix_cache: bool = Field(
         True,
         description="keep ended sessions' KV caches in the budget's free room, so a prompt that starts the same way "
-        "(the next turn of a chat) prefills only the rest (--no-prefix-cache: prefill every prompt whole)",
+        "(the next turn of a chat) prefills only the rest, as does one that starts as a live session's (a request's "
+        "other choices) (--no-prefix-cache: prefill every prompt whole)",
     )
 
 

@@ -192,6 +192,8 @@ class TargetEngine:
         found = None
         if self.store.prefix_cache is not None and not config.return_hidden_states and not prompt_logprobs:
             found = self.store.prefix_cache.lookup(prompt_token_ids)
+            # ... or a live session's (a request's other choices, prefilled after the first)
+            found = self.store.shared_prefix(prompt_token_ids, at_least=found[1] if found else 0) or found
         cache, cached = found if found is not None else (kv_cache.new_cache(), 0)
         if self.metrics is not None:
             self.metrics.prefix_cache_tokens.labels(outcome="hit").inc(cached)

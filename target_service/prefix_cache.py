@@ -100,7 +100,7 @@ class PrefixCache:
         best_key, best = None, -1
         for key in reversed(self._holding[hashes[depth - 1]]):  # the most recent first
             tokens = self._entries[key].tokens
-            common = shared + _common_prefix(tokens[shared:end], prompt[shared:end], end - shared)
+            common = shared + common_prefix(tokens[shared:end], prompt[shared:end], end - shared)
             if common > best:
                 best_key, best = key, common
             if best == end:
@@ -126,7 +126,7 @@ class PrefixCache:
                     del self._holding[h]
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """The length of the longest common prefix of a and b, at most ``limit``."""
     n = min(len(a), len(b), limit)
     i = 0

@@ -12,7 +12,7 @@ The store is not thread-safe: the engine is only called from one worker thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,8 @@ from transformers import DynamicCache
 
 from target_service.types import FinishReason, Grammar, SessionParams
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
-from target_service.prefix_cache import PrefixCache
+from target_service import kv_cache
+from target_service.prefix_cache import MIN_TOKENS, PrefixCache, common_prefix
 
 if TYPE_CHECKING:
     from target_service.grammar import Constraint
@@ -224,6 +225,24 @@ class SessionStore:
         self._sessions[session.session_id] = session
         self._reserved += reserve
         self._set_live(self._live + 1)
+
+    def shared_prefix(self, prompt: Sequence[int], at_least: int) -> tuple[DynamicCache, int] | None:
+        """A copy of the cache of the longest prefix of ``prompt`` that a live session's committed
+        tokens begin with, and its length, if longer than ``at_least`` and :data:`MIN_TOKENS`;
+        leaves the prompt's last token to prefill. Sessions that share a prompt while both live (a
+        request's ``n`` choices, started one after the other) then prefill it once."""
+        limit = len(prompt) - 1
+        best, source = max(at_least, MIN_TOKENS - 1), None
+        for session in self._sessions.values():
+            if session.finished or session.cache is None or session.tokens[:1] != list(prompt[:1]):
+                continue
+            held = min(kv_cache.cache_length(session.cache), len(session.tokens) - 1, limit)
+            if held <= best:
+                continue
+            common = common_prefix(session.tokens, prompt, held)
+            if common > best:
+                best, source = common, session
+        return None if source is None else (kv_cache.copy_prefix(source.cache, best), best)
 
     def get(self, session_id: str) -> Session:
         """The session (and marks it used), or SessionNotFound."""

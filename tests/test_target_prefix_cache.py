@@ -155,3 +155,24 @@ def test_the_longest_prefix_wins_and_the_least_recent_goes_first() -> None:
     assert len(pool) == 1 and pool.lookup(base + [1] * BLOCK + [7])[1] == BLOCK
     pool.keep(base + [2] * (BLOCK + 4) + [6, 6, 6], cache_of(2 * BLOCK + 7), room=None)  # extends the other
     assert len(pool) == 1 and pool.lookup(base + [2] * (BLOCK + 4) + [6, 6, 9])[1] == 2 * BLOCK + 6
+
+
+def test_a_prompt_starts_from_a_live_sessions_cache(quantized_gemma) -> None:
+    """A request's other choices, prefilled while the first is live (and decoding, and speculating):
+    each starts from a copy of its cache and decodes what a whole prefill would, to the bit."""
+    engine, fresh = TargetEngine(quantized_gemma), TargetEngine(quantized_gemma, prefix_cache=False)
+    prompt = prompt_ids(3, 50)
+    first = engine.prefill("first", prompt, CONFIG)
+    assert first.cached_tokens == 0
+    engine.verify(DraftBlock("first", len(prompt) + 1, (7, 8, 9)))  # it moves on, drafts rejected past its end
+    second, cached = turn(engine, "second", prompt)
+    assert cached == len(prompt) - 1  # all but the last prompt token, from the live session
+    assert second == turn(fresh, "second", prompt)[0]
+    longer = prompt + prompt_ids(4, 20)
+    third, cached = turn(engine, "third", longer)  # "second" has ended: its whole prompt and answer are kept
+    assert cached >= len(prompt) - 1 and third == turn(fresh, "third", longer)[0]
+    other = prompt_ids(5, 50)
+    assert turn(engine, "other", other)[1] == 0  # nothing shared
+    off = TargetEngine(quantized_gemma, prefix_cache=False)
+    off.prefill("a", prompt, CONFIG)
+    assert off.prefill("b", prompt, CONFIG).cached_tokens == 0  # --no-prefix-cache: every prompt whole
