@@ -147,16 +147,15 @@ class RequestValidator:
     def _grammar(fields: RequestFields) -> Grammar | None:
         """The request's grammar, or its tool calls' (gateway.tools); the target compiles it (and refuses
         one that does not compile)."""
-        if fields.tool_calling is not None:
-            fields.grammar = fields.tool_calling.grammar()
-        if fields.grammar is not None and fields.ignore_eos:
+        grammar = fields.grammar if fields.tool_calling is None else fields.tool_calling.grammar()
+        if grammar is not None and fields.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with structured output: the text ends when it is "
                                  "complete", param="ignore_eos")
-        if fields.grammar is not None and len(fields.grammar.spec) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequest(f"response_format: the schema, regex or grammar has {len(fields.grammar.spec)} "
-                                 f"characters, more than the {MAX_GRAMMAR_CHARS} this server compiles",
-                                 param="response_format")
-        return fields.grammar
+        if grammar is not None and len(grammar.spec) > MAX_GRAMMAR_CHARS:
+            where = "response_format" if fields.tool_calling is None else "tools"
+            raise InvalidRequest(f"{where}: the schema, regex or grammar has {len(grammar.spec)} characters, more "
+                                 f"than the {MAX_GRAMMAR_CHARS} this server compiles", param=where)
+        return grammar
 
     @staticmethod
     def _top_logprobs(top: int | None) -> int | None:
