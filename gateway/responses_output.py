@@ -31,7 +31,7 @@ from gateway.errors import GatewayError, UpstreamFailure
 from gateway.events import Finished, TextDelta, Usage
 from gateway.logprobs import chat_logprobs
 from gateway.token_strings import TokenStrings
-from gateway.tools import ToolCall, ToolCalling
+from gateway.tools import ToolCall, ToolCalling, opens_calls
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ async def stream(choices: Choices, shape: ResponseShape) -> AsyncIterator[str]:
                 if isinstance(item, TextDelta):
                     deltas.append(item)
                     if mode == "undecided" and item.text.strip():
-                        mode = "calls" if "".join(d.text for d in deltas).lstrip().startswith("[") else "text"
+                        mode = "calls" if opens_calls("".join(d.text for d in deltas)) else "text"
                     held = deltas[sent:]  # (under "auto": the white space held until text was certain)
                     if mode == "text" and (item.text or item.logprobs):
                         if not opened:

@@ -10,7 +10,7 @@ Under ``"auto"`` the answer's first character other than white space decides: ``
 from __future__ import annotations
 
 from gateway.protocol import ChatDelta
-from gateway.tools import FunctionCallDelta, ToolCallDelta, ToolCalling, call_id
+from gateway.tools import FunctionCallDelta, ToolCallDelta, ToolCalling, call_id, opens_calls
 
 
 class ToolCallStream:
@@ -24,7 +24,7 @@ class ToolCallStream:
         """The delta that carries a piece of the answer's text."""
         self._text.append(text)
         if self._content is None and text.strip():
-            self._content = not text.lstrip().startswith("[")
+            self._content = not opens_calls("".join(self._text))
             if self._content:  # with the white space held so far
                 return ChatDelta(content="".join(self._text))
         if self._content:

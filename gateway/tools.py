@@ -112,6 +112,12 @@ class ToolCallDelta(BaseModel):
     function: FunctionCallDelta
 
 
+def opens_calls(text: str) -> bool:
+    """Under ``"auto"``: whether an answer whose text so far is ``text`` (holding a character other
+    than white space) is calls rather than text: its first such character is ``[``."""
+    return text.lstrip().startswith("[")
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -170,7 +176,7 @@ class ToolCalling:
         from the text, None where it is not whole."""
         if self.forced is not None:
             return [ToolCall(id=call_id(), function=FunctionCall(name=self.forced, arguments=text))]
-        if self.auto and not text.lstrip().startswith("["):
+        if self.auto and not opens_calls(text):
             return None  # the model answered in text
         try:
             value = json.loads(text)
