@@ -35,6 +35,7 @@ from draft_service.types import Proposal
 SOURCE = "prediction"
 REALIGN_TOKENS = 4  # the longest suffix of the output looked for in the prediction to copy after it
 MAX_AGREE = 64  # an agreeing run is counted up to this many tokens
+TOP_BUCKET = match_bucket(MAX_AGREE)  # past it no lookup copy follows a longer run: the drafter is not asked
 
 
 def _lookup_bucket(proposal: Proposal) -> int:
@@ -78,10 +79,11 @@ class PredictedSession(ProposerSession):
         copied = self._copy(max_tokens)
         if not copied:
             return self.inner.propose(max_tokens)
-        inner = self.inner.propose(max_tokens)
         bucket = match_bucket(self._agree)
-        if _lookup_bucket(inner) >= max(bucket, 1):  # the drafter copies after as long a run: its copy
-            return inner
+        if bucket < TOP_BUCKET:  # a lookup copy could follow a longer run: the drafter is asked (its work)
+            inner = self.inner.propose(max_tokens)
+            if _lookup_bucket(inner) >= max(bucket, 1):  # the drafter copies after as long a run: its copy
+                return inner
         return Proposal(token_ids=copied, sources=(f"{SOURCE}:{bucket}",) * len(copied))
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states: Any = None) -> None:

@@ -21,8 +21,10 @@ class Inner(ProposerSession):
     def __init__(self, source: str = "head:0.5") -> None:
         self.commits: list[tuple[int, tuple[int, ...]]] = []
         self.source = source
+        self.proposed = 0
 
     def propose(self, max_tokens: int) -> Proposal:
+        self.proposed += 1
         return Proposal((7,) * max_tokens, sources=(self.source,) * max_tokens)
 
     def commit(self, base_len: int, token_ids: Sequence[int], hidden_states=None) -> None:
@@ -77,6 +79,9 @@ def test_prompt_lookup_copying_after_as_long_a_run_is_taken_instead() -> None:
     for source, expected in (("lookup:4", (7, 7)), ("lookup:2", (13, 14)), ("head:0.9", (13, 14))):
         predicted = PredictedSession(Inner(source), PREDICTION, len(PROMPT), [*PROMPT, 10, 11, 12])
         assert predicted.propose(2).token_ids == expected, source  # (the prediction's run: 3)
+    inner = Inner("lookup:16")
+    long_run = PredictedSession(inner, PREDICTION, len(PROMPT), [*PROMPT, *PREDICTION[:20]])
+    assert long_run.propose(2).token_ids == (30, 31) and inner.proposed == 0  # no longer run to find: not asked
 
 
 def test_counts_of_copied_drafts_on_the_accepted_path() -> None:
