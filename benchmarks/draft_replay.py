@@ -80,9 +80,11 @@ from target_service import kv_cache
 
 def greedy_runs(loaded, prompts, max_tokens: int, cache: Path | None) -> list[dict]:
     """Per prompt: its domain, prompt length, prompt + greedy tokens, and the final hidden states."""
+    computed_on = f"{loaded.name}:{loaded.quantization or loaded.dtype}"  # a cache of another target is redone
     if cache is not None and cache.is_file():
         runs = torch.load(cache)
-        if len(runs) == len(prompts) and all(r["max_tokens"] == max_tokens for r in runs):
+        if len(runs) == len(prompts) and all(r["max_tokens"] == max_tokens and r.get("target", computed_on)
+                                             == computed_on for r in runs):
             return runs
     runs = []
     with torch.inference_mode():
@@ -97,6 +99,7 @@ def greedy_runs(loaded, prompts, max_tokens: int, cache: Path | None) -> list[di
                     "ids": out.tolist(),
                     "hidden": hidden.float(),
                     "max_tokens": max_tokens,  # hidden: [seq, hidden]
+                    "target": computed_on,
                 }
             )
     if cache is not None:
@@ -230,6 +233,11 @@ def write_prior(path: Path, rates: AcceptancePrior, measured_on: str, sources: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-model", default="gemma-3-270m")
+    parser.add_argument(
+        "--target-dtype", default="auto", choices=["auto", "float32"],
+        help="the served target's weights (auto) or their float32 dequantization, the target a head is distilled "
+             "on; give each its own --cache",
+    )
     parser.add_argument("--drafts", nargs="+", default=["ngram", "eagle", "ngram+eagle"])
     parser.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -268,7 +276,7 @@ def main() -> None:
         parser.error("--prior-sources selects what --save-prior writes")
     overrides = dict(item.split("=", 1) for item in args.draft_setting)
 
-    loaded = load_model(args.target_model, device="cpu")
+    loaded = load_model(args.target_model, device="cpu", dtype=args.target_dtype)
     if args.prompts and args.prompts.startswith(DISTILL_PREFIX):
         prompts = distill_prompts(args.prompts)
     else:

@@ -191,6 +191,51 @@ def test_bad_numbers_and_empty_resume_are_clear_errors(tiny_dir: Path, tmp_path:
         distill(tiny_dir, tmp_path / "a", "--max-minutes", "0")
     with pytest.raises(SystemExit, match="nothing to resume"):
         distill(tiny_dir, tmp_path / "b", "--resume")
+    with pytest.raises(SystemExit, match="--prose-share must be within"):
+        distill(tiny_dir, tmp_path / "c", "--code-prefix-share", "0.6", "--prose-share", "0.5")
+    with pytest.raises(SystemExit, match="--sampled-share must be within"):
+        distill(tiny_dir, tmp_path / "d", "--sampled-share", "1.5")
+    with pytest.raises(SystemExit, match="--sampled-tokens must be within"):
+        distill(tiny_dir, tmp_path / "e", "--sampled-share", "0.5", "--sampled-tokens", "16")  # half of --seq-len 32
+
+
+def test_sampled_openings_are_seeded_draws_then_the_greedy_continuation(tiny_gemma_dir: Path) -> None:
+    from tandem.tools.distill.collect import CollectConfig, TargetRunner
+    from tandem.models import load_model
+
+    loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
+    runner = TargetRunner(loaded, CollectConfig(seq_len=32, gen_new_tokens=12))
+    sequences, prompt_lens = runner.generate([""] * 4, sampled=5, seed=7)
+    assert prompt_lens == [6] * 4  # BOS and the five sampled tokens count as the prompt
+    assert (sequences, prompt_lens) == runner.generate([""] * 4, sampled=5, seed=7)
+    assert len({tuple(s[:6]) for s in sequences}) > 1  # the openings differ between rows
+    assert sequences != runner.generate([""] * 4, sampled=5, seed=8)[0]
+    with torch.inference_mode():
+        for seq in sequences:  # after the opening, every token is the target's argmax
+            logits = loaded.model(input_ids=torch.tensor([seq])).logits[0]  # [len, vocab]
+            assert seq[6:] == logits[5:-1].argmax(-1).tolist()[: len(seq) - 6]
+
+
+def test_sampled_openings_replace_a_share_of_training_generation_jobs_only(tiny_gemma_dir: Path) -> None:
+    import itertools
+
+    from tandem.tools.distill.collect import CollectConfig, TargetRunner, job_stream
+    from tandem.models import load_model
+
+    loaded = load_model(str(tiny_gemma_dir), device="cpu", dtype="float32")
+
+    def generation_jobs(share: float) -> list:
+        config = CollectConfig(seq_len=32, gen_every=1, sampled_share=share, sampled_tokens=4)
+        return list(itertools.islice(job_stream(TargetRunner(loaded, config), config, seed=0), 40))
+
+    jobs = generation_jobs(0.5)
+    heldout = [j for j in jobs if j.heldout and j.prompts is not None]
+    train = [j for j in jobs if not j.heldout]
+    assert heldout and all(j.sampled == 0 and all(j.prompts) for j in heldout)
+    opened = [j for j in train if j.sampled]
+    assert 8 < len(opened) < 30 and all(j.sampled == 4 and set(j.prompts) == {""} for j in opened)
+    assert len({j.seed for j in opened}) == len(opened)
+    assert not any(j.sampled for j in generation_jobs(0.0))
 
 
 @pytest.mark.slow

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
+import random
+from pathlib import Path
 
-from tandem.tools.distill.corpus import _function_prefixes, code_prefix_prompts, generation_prompts
+from tandem.tools.distill.corpus import _function_prefixes, code_prefix_prompts, generation_prompt, generation_prompts
+from tandem.tools.distill.prose import prose_prompt
+
+BENCH_PROMPTS = Path(__file__).resolve().parent.parent / "tandem" / "data" / "bench_prompts.jsonl"
 
 SOURCE = '''\
 import os
@@ -66,3 +72,26 @@ def test_generation_prompts_mix_templates_and_code_prefixes_by_share() -> None:
     code = set(itertools.islice(code_prefix_prompts(0, False), 400))
     assert 120 < sum(p in code for p in mixed) < 280
     assert all(p in code for p in itertools.islice(generation_prompts(0, False, code_prefix_share=1.0), 50))
+
+
+def test_prose_openings_join_the_mix_by_share_and_leave_the_other_prompts_unchanged_without_it() -> None:
+    rng = random.Random(0)
+    assert list(itertools.islice(generation_prompts(0, False), 100)) == [generation_prompt(rng, False)
+                                                                           for _ in range(100)]
+    draw = random.Random(0)  # seed 0's prose stream: prose openings come in its order
+    prose = [prose_prompt(draw, False) for _ in range(500)]
+    code = set(itertools.islice(code_prefix_prompts(0, False), 500))
+    mixed = list(itertools.islice(generation_prompts(0, False, code_prefix_share=0.2, prose_share=0.6), 500))
+    assert 60 < sum(p in code for p in mixed) < 140
+    in_prose = [p for p in mixed if p not in code and p in set(prose)]
+    assert 240 < len(in_prose) < 360
+    assert in_prose == prose[: len(in_prose)]
+    assert list(itertools.islice(generation_prompts(0, False, prose_share=1.0), 50)) == prose[:50]
+
+
+def test_prose_openings_are_held_out_by_slot_and_never_the_bench_prompts() -> None:
+    train, heldout = (set(prose_prompt(random.Random(seed), held) for seed in range(600)) for held in (False, True))
+    assert len(train) > 300 and len(heldout) > 300
+    assert len(train & heldout) < 10  # only openings whose slots are all fixed words
+    bench = [json.loads(line)["prompt"] for line in BENCH_PROMPTS.read_text().splitlines() if line.strip()]
+    assert not any(p.startswith(b) or b.startswith(p) for p in train | heldout for b in bench)

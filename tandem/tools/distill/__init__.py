@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gen-every", type=int, default=6, help="one generation job every N jobs")
     group.add_argument("--code-prefix-share", type=float, default=0.5,
                        help="share of generation prompts that are stdlib function openings (the rest templated)")
+    group.add_argument("--prose-share", type=float, default=0.0,
+                       help="share of generation prompts that are prose openings: stories, letters, explanations, "
+                            "instructions, reviews (the rest templated)")
+    group.add_argument("--sampled-share", type=float, default=0.0,
+                       help="share of generation jobs whose openings the target samples itself from BOS "
+                            "(temperature 1, --sampled-tokens long) before continuing greedily")
+    group.add_argument("--sampled-tokens", type=int, default=24, help="tokens of each sampled opening")
     group.add_argument("--gen-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                        help="dtype of the generating copy (labels always come from the float32 target)")
     group.add_argument("--collect-only", action="store_true",
@@ -86,6 +93,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise _fail(f"--reduced-vocab must be at least 2, got {args.reduced_vocab}")
     if not 0.0 <= args.code_prefix_share <= 1.0:
         raise _fail(f"--code-prefix-share must be within [0, 1], got {args.code_prefix_share}")
+    if not 0.0 <= args.prose_share <= 1.0 - args.code_prefix_share:
+        raise _fail(f"--prose-share must be within [0, 1 - --code-prefix-share], got {args.prose_share}")
+    if not 0.0 <= args.sampled_share <= 1.0:
+        raise _fail(f"--sampled-share must be within [0, 1], got {args.sampled_share}")
+    if args.sampled_share > 0 and not 0 < args.sampled_tokens < args.seq_len // 2:
+        raise _fail(f"--sampled-tokens must be within [1, --seq-len / 2), got {args.sampled_tokens}")
     if not 0.0 <= args.collect_fraction <= 1.0:
         raise _fail(f"--collect-fraction must be within [0, 1], got {args.collect_fraction}")
     if args.seq_len <= args.unroll + 1:
@@ -143,7 +156,8 @@ def main(args: argparse.Namespace) -> int:
     collect_config = collect_mod.CollectConfig(
         seq_len=args.seq_len, topk=args.topk, batch=args.collect_batch, gen_batch=args.gen_batch,
         gen_new_tokens=args.gen_new_tokens, gen_every=args.gen_every, gen_dtype=args.gen_dtype,
-        code_prefix_share=args.code_prefix_share)
+        code_prefix_share=args.code_prefix_share, prose_share=args.prose_share, sampled_share=args.sampled_share,
+        sampled_tokens=args.sampled_tokens)
     store = FeatureStore.open(features_dir, Manifest(
         target_model=args.target_model, target_fingerprint=fingerprint, hidden_size=hidden, vocab_size=vocab_size,
         seq_len=args.seq_len, topk=args.topk, seed=args.seed))
@@ -280,7 +294,8 @@ def _collection_summary(store, started: float) -> dict:
     return {"train_tokens": dict(m.tokens), "heldout_tokens": dict(m.heldout_tokens), "jobs": m.jobs_done,
             "collect_minutes": round(m.seconds / 60, 2), "seq_len": m.seq_len, "topk": m.topk, "seed": m.seed,
             "sources": "python stdlib sources, pydoc topics, synthetic JSON, target greedy generations "
-                       "from templated code/json/math/chat/prose prompts and stdlib function openings"}
+                       "from templated code/json/math/chat/prose prompts, stdlib function openings and "
+                       "(--prose-share, --sampled-share) prose openings and openings the target sampled"}
 
 
 def _run_eagle(hf_dir: Path, text_config: Any, fingerprint: str, *, initial, args, output, store, train, heldout,

@@ -13,6 +13,7 @@ held-out jobs come first. A resumed run rebuilds the stream and skips the jobs t
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class CollectConfig:
     gen_new_tokens: int = 128
     gen_every: int = 4  # one generation job every gen_every jobs
     code_prefix_share: float = 0.5  # of generation prompts: stdlib function openings instead of templates
+    prose_share: float = 0.0  # of generation prompts: prose openings (distill/prose.py) instead of templates
+    sampled_share: float = 0.0  # of generation jobs: openings the target samples itself from BOS (see Job)
+    sampled_tokens: int = 24  # tokens each such opening is sampled for (temperature 1) before greedy decoding
     chunks_per_doc: int = 4  # at most this many chunks of one document (diversity under a time budget)
     heldout_gen_batches: int = 1  # held-out generation jobs, collected first
     heldout_batches: int = 2  # held-out offline jobs, collected next
@@ -47,6 +51,8 @@ class Job:
     sequences: list[list[int]] | None = None  # offline chunks (BOS first)
     sources: list[int] | None = None
     prompts: list[str] | None = None  # generation job
+    sampled: int = 0  # tokens sampled from the target before its greedy continuation (prompts are then empty)
+    seed: int = 0  # of those draws
 
 
 class TargetRunner:
@@ -133,13 +139,17 @@ class TargetRunner:
         return {"tokens": tokens, "valid": valid, "features": features, "topk_ids": topk_ids, "topk_logprobs": topk_lp}
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str]) -> tuple[list[list[int]], list[int]]:
+    def generate(self, prompts: list[str], sampled: int = 0, seed: int = 0) -> tuple[list[list[int]], list[int]]:
         """Batched greedy generation (left padded, KV cache) -> (prompt + generation token lists, prompt lengths).
 
         A plain loop rather than ``model.generate``: on a CPU its per-step overhead was several times the
         forward itself. Generation may run in a cheaper dtype (``gen_model``): the text only has to be
         what the target would plausibly write; the labels come from the float32 teacher pass after.
+        The first ``sampled`` tokens are drawn at temperature 1 (seeded) and count as the prompt: from
+        an empty prompt the target then opens a text of its own choosing, in whatever genre it finds
+        likely, which no list of templates covers; its greedy continuation is what a draft sees serving.
         """
+        draws = torch.Generator(device=self.device).manual_seed(seed)
         model = self.gen_model if self.gen_model is not None else self.model
         encoded = [self.encode(p)[: self.config.seq_len // 2] for p in prompts]
         n, width = len(encoded), max(len(e) for e in encoded)
@@ -154,7 +164,11 @@ class TargetRunner:
         generated = []
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
         for step in range(steps):
-            nxt = out.logits[:, -1].argmax(-1)  # [n]
+            if step < sampled:
+                probs = torch.softmax(out.logits[:, -1].float(), dim=-1)  # [n, vocab]
+                nxt = torch.multinomial(probs, 1, generator=draws)[:, 0]  # [n]
+            else:
+                nxt = out.logits[:, -1].argmax(-1)  # [n]
             nxt = torch.where(finished, torch.full_like(nxt, self.pad), nxt)
             generated.append(nxt.cpu())
             if self.eos is not None:
@@ -170,7 +184,7 @@ class TargetRunner:
             if self.eos is not None and self.eos in gen:
                 gen = gen[: gen.index(self.eos) + 1]
             sequences.append(e + gen)
-        return sequences, [len(e) for e in encoded]
+        return sequences, [min(len(e) + sampled, len(s)) for e, s in zip(encoded, sequences, strict=True)]
 
 
 def _cache_kwargs(model: Any, out: Any) -> dict[str, Any]:
@@ -197,12 +211,15 @@ def _chunks(runner: TargetRunner, docs: Iterator, config: CollectConfig) -> Iter
 def job_stream(runner: TargetRunner, config: CollectConfig, seed: int) -> Iterator[Job]:
     """Held-out jobs (generation, then offline) first, then training jobs forever."""
     for heldout in (True, False):
-        prompts = generation_prompts(seed, heldout, config.code_prefix_share)
+        prompts = generation_prompts(seed, heldout, config.code_prefix_share, config.prose_share)
+        kinds = random.Random(seed * 7 + 3)  # which training generation jobs sample their own openings
         chunks = _chunks(runner, offline_documents(seed, heldout), config)
         indices = range(config.heldout_gen_batches + config.heldout_batches) if heldout else itertools.count()
         for i in indices:
             is_gen = i < config.heldout_gen_batches if heldout else i % config.gen_every == 0
-            if is_gen:
+            if is_gen and not heldout and kinds.random() < config.sampled_share:
+                yield Job(heldout, prompts=[""] * config.gen_batch, sampled=config.sampled_tokens, seed=seed * 100003 + i)
+            elif is_gen:
                 yield Job(heldout, prompts=[next(prompts) for _ in range(config.gen_batch)])
             else:
                 batch = list(itertools.islice(chunks, config.batch))
@@ -212,7 +229,7 @@ def job_stream(runner: TargetRunner, config: CollectConfig, seed: int) -> Iterat
 def run_job(runner: TargetRunner, job: Job) -> dict[str, torch.Tensor]:
     length = runner.config.seq_len
     if job.prompts is not None:
-        sequences, prompt_lens = runner.generate(job.prompts)
+        sequences, prompt_lens = runner.generate(job.prompts, job.sampled, job.seed)
         shard = runner.teacher(sequences)
         generated = torch.zeros((len(sequences), length), dtype=torch.uint8)
         for i, (seq, plen) in enumerate(zip(sequences, prompt_lens, strict=True)):

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.tools.distill.prose import prose_prompt
+
 
 @dataclass(frozen=True)
 class Document:
@@ -241,12 +243,21 @@ def code_prefix_prompts(seed: int, heldout: bool) -> Iterator[str]:
         yield from prefixes[:4]  # a few per file, so a time budget still sees many files
 
 
-def generation_prompts(seed: int, heldout: bool, code_prefix_share: float = 0.0) -> Iterator[str]:
-    """Templated prompts, with ``code_prefix_share`` of them replaced by stdlib function openings."""
+def generation_prompts(seed: int, heldout: bool, code_prefix_share: float = 0.0,
+                       prose_share: float = 0.0) -> Iterator[str]:
+    """Templated prompts; ``code_prefix_share`` of them stdlib function openings, ``prose_share`` prose openings.
+
+    The prose openings draw from their own generator, so adding them leaves the other prompts' stream
+    (and so earlier caches and held-out sets) unchanged wherever ``prose_share`` is 0.
+    """
     rng = random.Random(seed * 104729 + (1 if heldout else 0))
+    prose_rng = random.Random(seed * 1299709 + (1 if heldout else 0))
     code = code_prefix_prompts(seed, heldout) if code_prefix_share > 0 else None
     while True:
-        if code is not None and rng.random() < code_prefix_share:
+        roll = rng.random() if code is not None or prose_share > 0 else 1.0
+        if code is not None and roll < code_prefix_share:
             yield next(code)
+        elif roll < code_prefix_share + prose_share:
+            yield prose_prompt(prose_rng, heldout)
         else:
             yield generation_prompt(rng, heldout)
