@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.tools.distill.prose import prose_prompt
-
 
 @dataclass(frozen=True)
 class Document:
@@ -250,6 +248,8 @@ def generation_prompts(seed: int, heldout: bool, code_prefix_share: float = 0.0,
     The prose openings draw from their own generator, so adding them leaves the other prompts' stream
     (and so earlier caches and held-out sets) unchanged wherever ``prose_share`` is 0.
     """
+    from tandem.tools.distill.prose import prose_prompt  # prose.py draws its slots with _pick below
+
     rng = random.Random(seed * 104729 + (1 if heldout else 0))
     prose_rng = random.Random(seed * 1299709 + (1 if heldout else 0))
     code = code_prefix_prompts(seed, heldout) if code_prefix_share > 0 else None

@@ -1,15 +1,17 @@
 """Templated openings of everyday English prose, for the target's own generations to be distilled on.
 
-The shipped head's data is mostly code (stdlib sources and function openings), so it agrees with the
-target less often on prose: stories, letters, explanations, instructions, histories, reviews. These
-openings ask the target for such text. They are written for this module, never taken from the bench
-prompt set, and every slot draws from the even half of its word list for training and from the odd
-half for held-out prompts, as ``corpus.generation_prompt`` does.
+The shipped head's data is mostly code (stdlib sources and function openings). These openings ask the
+target for stories, letters, explanations, instructions, histories and reviews instead. They are
+written for this module, never taken from the bench prompt set, and every slot draws from the even
+half of its word list for training and from the odd half for held-out prompts, as
+``corpus.generation_prompt`` does.
 """
 
 from __future__ import annotations
 
 import random
+
+from tandem.tools.distill.corpus import _pick
 
 _PEOPLE = ["Amara", "Bruno", "Clara", "Dmitri", "Elena", "Felix", "Greta", "Hugo", "Irene", "Jamal", "Keiko",
            "Luca", "Marta", "Nikhil", "Olga", "Pablo", "Rania", "Samuel", "Tessa", "Umar", "Vera", "William"]
@@ -32,10 +34,6 @@ _DISHES = ["lentil soup", "banana bread", "a vegetable curry", "pancakes", "a to
 _TIMES = ["Early one morning", "On the last day of winter", "Late that night", "Every Sunday", "Years later",
           "Just before the storm", "At the end of the war", "When the school bell rang", "That autumn",
           "On her first day", "Long before the road was built", "As the sun came up"]
-
-
-def _pick(rng: random.Random, items: list[str], heldout: bool) -> str:
-    return rng.choice(items[1::2] if heldout else items[0::2])
 
 
 def prose_prompt(rng: random.Random, heldout: bool) -> str:
