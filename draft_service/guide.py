@@ -22,10 +22,10 @@ guidance applies only while that is all of them.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from draft_service.proposers.base import ProposerSession
@@ -37,6 +37,34 @@ log = logging.getLogger(__name__)
 
 SOURCE = "grammar"  # the block-length policy's name for a forced draft
 MAX_GRAMMARS = 32  # grammars remembered as compiled (their compiled forms: tandem.grammar.CACHE_BYTES)
+
+
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order, started at the first.
+
+    Not a ThreadPoolExecutor: the interpreter joins those at exit, so a draft asked to stop while
+    its guide still loads the tokenizer (seconds) would wait for a load nobody needs any more."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: queue.SimpleQueue[Callable[..., object]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        self._calls.put(lambda: fn(*args))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            call = self._calls.get()
+            try:
+                call()
+            except Exception:  # noqa: BLE001 (the calls log their own failures; never stop the worker)
+                log.exception("%s: a background call failed", self._name)
 
 
 class GrammarGuide:
@@ -51,7 +79,7 @@ class GrammarGuide:
         self._target = target
         self._compiler: GrammarCompiler | None = None
         self._tokenizer: Any = None
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-guide")
+        self._background = _DaemonWorker("grammar-guide")
         self._lock = threading.Lock()
         self._loading = False
         self._compiled: OrderedDict[tuple[GrammarKind, str], bool] = OrderedDict()  # True: compiled; False: refused

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -157,6 +159,24 @@ def test_a_tokenizer_that_is_not_the_targets_leaves_sessions_unguided(tiny_dir, 
     guide.wrap(inner, spec([5], 1, SCHEMA))
     time.sleep(1.0)
     assert not guide.ready and guide.wrap(inner, spec([5], 1, SCHEMA)) is inner
+
+
+def test_a_draft_that_stops_does_not_wait_for_its_guide_to_load(tiny_dir, tokenizer) -> None:
+    """The guide loads on a daemon thread: a process told to stop while the tokenizer still loads
+    (seconds for a large vocabulary) exits without waiting for it. Here the load never ends."""
+    script = f"""
+import threading
+from draft_service import guide as module
+from draft_service.types import TargetInfo
+released = threading.Event()
+module.GrammarGuide._load = lambda self: released.wait()
+guide = module.GrammarGuide({str(tiny_dir)!r}, TargetInfo("tiny", 8, "f", eos_token_ids=(1,)))
+guide.start()
+(worker,) = [t for t in threading.enumerate() if t.name == "grammar-guide"]
+print("daemon" if worker.daemon else "joined at exit", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "daemon"), done.stderr
 
 
 async def test_the_engine_guides_constrained_sessions_it_drafts(tiny_dir, tokenizer) -> None:
