@@ -425,13 +425,13 @@ async def test_duplicate_session_id(stub) -> None:
 
 
 def test_run_serves_until_sigterm(tiny_dir) -> None:
+    """``tandem target`` serves until SIGTERM, then exits 0 (skipping the interpreter's teardown:
+    tandem.cli) with its last log line written."""
     port, metrics_port = free_ports(2)
-    code = (
-        "from target_service.main import run; from tandem.config import TargetSettings; "
-        f"run(TargetSettings(target_model={str(tiny_dir)!r}, port={port}, metrics_port={metrics_port}))"
-    )
+    argv = [sys.executable, "-m", "tandem.cli", "target", "--target-model", str(tiny_dir), "--port", str(port),
+            "--metrics-port", str(metrics_port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"}
-    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             deadline = time.monotonic() + 120
@@ -451,6 +451,8 @@ def test_run_serves_until_sigterm(tiny_dir) -> None:
         assert 'tandem_sessions_active{mode="target"} 0.0' in metrics
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+        output = process.stdout.read().decode()
+        assert output.rstrip().splitlines()[-1].endswith("target_service.main: target stopping"), output
     finally:
         if process.poll() is None:
             process.kill()
