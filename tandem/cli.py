@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, get_args, get_origin
+from typing import Any, NoReturn, get_args, get_origin
 
 # No hub access at run time: every model comes from a local folder, a GGUF file or a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from tandem.supervisor import serve
 
-        return serve(settings)
+        _exit_now(serve(settings))
     if args.command == "target":
         from target_service.main import run
     elif args.command == "draft":
@@ -116,15 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from gateway.main import run
     run(settings)
-    _exit_now()
+    _exit_now(0)
 
 
-def _exit_now() -> None:
-    """Ends a service process that has stopped cleanly without the interpreter's teardown.
+def _exit_now(code: int) -> NoReturn:
+    """Ends a service (or ``tandem serve``) that has stopped cleanly, without the interpreter's teardown.
 
-    By now the service has drained its requests, closed its servers and flushed its traces; what
-    is left is freeing a loaded model's objects one by one, about a second per process, paid in turn
-    by every role a `tandem serve` stops. Logs and the standard streams are flushed first."""
+    By now the service has drained its requests, closed its servers and flushed its traces (a
+    failure raised instead, and exits the usual way); what is left is freeing a loaded model's
+    objects one by one, about a second per process, paid in turn by every role a ``tandem serve``
+    stops. Logs and the standard streams are flushed first."""
     import logging
 
     logging.shutdown()
@@ -133,7 +134,7 @@ def _exit_now() -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
             pass
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

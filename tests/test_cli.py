@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -136,6 +137,11 @@ def test_ports_two_children_would_share_are_refused(capsys: pytest.CaptureFixtur
     # tandem serve refuses it before starting anything, with the reason, and exits non-zero.
     assert serve(parse("serve", "--targets", "2", "--draft-port", "50055")) != 0
     assert "50055 would be used twice" in capsys.readouterr().err
+    # The command itself exits with that code (tandem.cli ends it without the interpreter's
+    # teardown), its message written.
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--targets", "2", "--draft-port", "50055"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "50055 would be used twice" in done.stderr, done
 
 
 def test_port_zero_picks_a_distinct_free_port_per_child() -> None:
