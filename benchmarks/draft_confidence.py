@@ -56,21 +56,27 @@ def band(p_max: float) -> str:
     return f"p_max {BANDS[i]:.1f}-{min(BANDS[i + 1], 1.0):.1f}"
 
 
-def tally(runs: list[dict], drafter: EagleDrafter, embed: torch.Tensor) -> dict[str, dict[str, Counter]]:
-    """domain -> band (and "all") -> counts of positions, head top-1 / top-4 hits, copy hits."""
+def tally(runs: list[dict], drafter: EagleDrafter, embed: torch.Tensor,
+          softcap: float | None = None) -> dict[str, dict[str, Counter]]:
+    """domain -> band (and "all") -> counts of positions, head top-1 / top-4 hits, copy hits.
+    ``embed`` [vocab, hidden]: the target's LM head (tied to its embedding); ``softcap``: its
+    final logit soft-capping."""
     out: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     vocab_ids = drafter.vocab_ids  # [reduced] reduced index -> target id
     with torch.inference_mode():
         for run in runs:
             ids, hidden, start = run["ids"], run["hidden"].float(), run["prompt_len"]  # hidden [seq, h]
-            probs = torch.softmax(hidden @ embed.T, dim=-1)  # [seq, vocab]: position t's next-token distribution
+            logits = hidden @ embed.T  # [seq, vocab]: position t's next-token logits
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            probs = torch.softmax(logits, dim=-1)  # [seq, vocab]
             # The head's first draft from position t: (feature t, token t+1) -> token t+2.
             positions = range(start - 1, len(ids) - 2)
             if not positions:
                 continue
             rows = torch.tensor(list(positions))
-            _, logits = drafter.step(hidden[rows], torch.tensor([ids[t + 1] for t in positions]))  # [n, reduced]
-            top4 = vocab_ids[logits.topk(4, dim=-1).indices]  # [n, 4] target ids
+            _, guesses = drafter.step(hidden[rows], torch.tensor([ids[t + 1] for t in positions]))  # [n, reduced]
+            top4 = vocab_ids[guesses.topk(4, dim=-1).indices]  # [n, 4] target ids
             for i, t in enumerate(positions):
                 target = ids[t + 2]
                 p = probs[t + 1]
@@ -101,9 +107,12 @@ def main() -> None:
     if head_dir is None:
         parser.error(f"no head ships for {loaded.name}: give --head")
     head, vocab_ids = load_head(head_dir)
+    if head.config.head_tensor != head.config.embed_tensor:
+        parser.error("the target's LM head is not its embedding: this script reads the target's distribution "
+                     "through a tied head only")
     target = load_target_tensors(resolve(args.target_model).hf_dir, head.config, vocab_ids)
     drafter = EagleDrafter(head, vocab_ids, target, dtype=torch.float32)
-    counts = tally(runs, drafter, target.embed.float())  # embed [vocab, h]: the tied LM head
+    counts = tally(runs, drafter, target.embed.float(), head.config.logit_softcap)  # embed [vocab, h]
 
     table = {}
     for domain in sorted(counts):
