@@ -215,6 +215,24 @@ def test_no_build_for_this_host_says_why(monkeypatch) -> None:
         load_kernel()
 
 
+def test_a_build_this_cpu_cannot_run_is_refused_before_it_runs(monkeypatch) -> None:
+    """On an AVX2-only CPU the AVX-512 builds are refused by name (running one would end the process
+    with SIGILL), and the list of what this host runs leaves them out."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse2"})
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setattr(native, "_OPS", {})
+    built = []
+    monkeypatch.setattr(native, "_build", lambda isa, kind="": built.append((isa, kind)) or "built")
+    monkeypatch.setattr(native, "_self_check", lambda kernel: "")
+    for isa in ("avx512vnni", "avx512"):
+        with pytest.raises(KernelUnavailable, match=f"the {isa} build needs CPU flags this CPU lacks: .*avx512bw, avx512f"):
+            load_kernel(isa)
+        with pytest.raises(KernelUnavailable, match="lacks"):
+            native.load_decoder_ops(isa)
+    assert built == []
+    assert native.available_kernels() == ["avx2int8", "avx2"]
+
+
 def test_a_failed_build_says_why(monkeypatch) -> None:
     def no_compiler(isa: str) -> str:
         raise OSError("g++: not found")

@@ -136,6 +136,15 @@ def runs_here(isa: str) -> bool:
     return CPU_FLAGS_NEEDED[isa] <= cpu_flags()
 
 
+def _refuse_what_cannot_run(isa: str) -> None:
+    """Raises :class:`KernelUnavailable` for a build whose instructions this CPU lacks (where its flags
+    are known): running one ends the process with SIGILL, which no caller could fall back from."""
+    flags = cpu_flags()
+    missing = CPU_FLAGS_NEEDED.get(isa, set()) - flags
+    if flags and missing:
+        raise KernelUnavailable(f"the {isa} build needs CPU flags this CPU lacks: {', '.join(sorted(missing))}")
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
@@ -159,6 +168,7 @@ def load_kernel(isa: str | None = None) -> QuantKernel:
             raise KernelUnavailable(f"no native quantized kernel for this host ({reason})")
     if isa in _LOADED:
         return _LOADED[isa]
+    _refuse_what_cannot_run(isa)
     started = time.perf_counter()
     try:
         built = _build(isa)
@@ -232,6 +242,7 @@ def load_decoder_ops(isa: str):
 
 def _load_ops(isa: str, kind: str):
     if (isa, kind) not in _OPS:
+        _refuse_what_cannot_run(isa)
         try:
             _build(isa, kind)
         except Exception as error:  # noqa: BLE001  as for the products: say why, let the caller fall back
