@@ -138,7 +138,8 @@ class TargetSettings(_Base):
     screened_head: bool = Field(
         True,
         description="greedy tokens from a bfloat16 copy of the LM head, the few that can win rescored exactly (CPU, "
-        "float32 heads of 64 MB or more; the same tokens, half the head's reads; --no-screened-head: the float32 head)",
+        "float32 heads of 64 MB or more; the same tokens, half the head's reads; --no-screened-head: the float32 head); "
+        "on quantized weights, the head over only the rows a verification can reach, in waves",
     )
     prefix_cache: bool = Field(
         True,

@@ -4,7 +4,9 @@ The engine decides what each session feeds (a :class:`Step`); the runner runs ev
 pass through the model, alone through transformers' path or together through
 ``target_service.ragged``, and gives back each step's :class:`RowScores` and the hidden states it
 asked for. It owns the model and what was chosen for its device: the attention, the verifier
-(``target_service.verifier``) and the screened greedy head (``tandem.cpu.screened_head``).
+(``target_service.verifier``) and the greedy head: a bfloat16 screen of a float32 LM head
+(``tandem.cpu.screened_head``) or a quantized head run only over the rows a verdict can reach
+(``target_service.greedy_waves``).
 
 Invariant: a pass appends each step's ``token_ids`` to its session's cache and does nothing else to
 the session; which path runs a step changes no token (the logits agree up to float summation
@@ -25,6 +27,7 @@ from tandem.cpu.screened_head import ScreenedArgmax, screened_argmax_for
 from tandem.models import LoadedModel
 from tandem.quant.modules import int8_activations
 from target_service import gemma_pass, kv_cache, ragged
+from target_service.greedy_waves import GreedyRows, GreedyWaves
 from target_service.model_info import sliding_window
 from target_service.grammar import MaskRows
 from target_service.session import SamplingTensors, Session, SessionConfig, make_generator
@@ -100,7 +103,7 @@ class ModelRunner:
         # lone short step is then cheaper through ragged.forward whatever its kernel.
         self.lean = self.batched and sdpa and gemma_pass.for_model(self.model) is not None
         self.verifier = select_verifier(loaded.device)
-        self.greedy_head: ScreenedArgmax | None = (
+        self.greedy_head: ScreenedArgmax | GreedyWaves | None = (
             screened_argmax_for(self.model, loaded.device) if screened_head else None
         )
         # Greedy rows' argmax over the logits from the pass's native ops (decoder_ops.cpp: vectorised,
@@ -112,11 +115,19 @@ class ModelRunner:
         )
         # A constrained session's grammar mask applied in one native pass over its rows' logits.
         self.mask_rows: MaskRows | None = getattr(lean_pass.ops, "mask_rows", None) if lean_pass is not None else None
+        # On quantized weights greedy sessions score only the rows their verdict can reach
+        # (target_service.greedy_waves), the LM head in waves of one read of its weight each.
+        if self.greedy_head is None and screened_head and self.argmax_rows is not None:
+            kernel = getattr(lean_pass.lm_head, "kernel", None)
+            if kernel is not None:
+                self.greedy_head = GreedyWaves(lean_pass.lm_head, self.argmax_rows, kernel.rows_per_sweep,
+                                               lean_pass.softcap)
 
     def screens(self, session: Session) -> bool:
-        """Whether the session's tokens come from the screened head: greedy, the runner has one, and
-        the session wants no log-probabilities and has no grammar, penalties or bias (the screen
-        yields each row's argmax, no logits to mask, penalise or bias)."""
+        """Whether the session's tokens come from the greedy head (a screen, or the quantized head in
+        waves): greedy, the runner has one, and the session wants no log-probabilities and has no
+        grammar, penalties or bias (the head yields each row's argmax, no logits to mask, penalise or
+        bias)."""
         return (
             self.greedy_head is not None
             and session.config.top_logprobs is None
@@ -212,7 +223,7 @@ class ModelRunner:
         )
         logits, hidden = self.forward(session, session.tokens, want_hidden=self.greedy_head is not None)  # [8, vocab]
         if self.greedy_head is not None:
-            self.greedy_head(hidden)  # [8]: oneDNN builds its bfloat16 kernels now
+            self._greedy_tokens([GreedyRows.chain(hidden, session.tokens)])  # oneDNN builds a screen's kernels now
         # A sampling session's draws, as target_service.acceptance.randomness takes them.
         uniforms = draw_uniforms((1, 7), session.generator)  # [1, 7]
         draws = self.verifier.token_draws(1, self.vocab_size, session.generator)  # the next token's draw
@@ -236,13 +247,12 @@ class ModelRunner:
         steps get the argmax of their scored rows, all of the pass's through one screen (one read
         of its weights for every greedy session in the pass)."""
         screened = [
-            hidden[-1:] if step.last_only else hidden  # [scored rows, hidden_size]
+            GreedyRows.chain(hidden[-1:], step.token_ids[-1:]) if step.last_only
+            else GreedyRows.chain(hidden, step.token_ids, step.tree)  # hidden: [scored rows, hidden_size]
             for step, (_, hidden) in zip(steps, outputs)
             if step.screened and step.scored
         ]
-        tokens = iter(())
-        if screened:
-            tokens = iter(self.greedy_head(torch.cat(screened)).split([len(rows) for rows in screened]))
+        tokens = iter(self._greedy_tokens(screened) if screened else ())
         return [
             (
                 RowScores()
@@ -256,6 +266,14 @@ class ModelRunner:
             )
             for step, (logits, hidden) in zip(steps, outputs)
         ]
+
+    def _greedy_tokens(self, steps: Sequence[GreedyRows]) -> list[torch.Tensor]:
+        """Each screened step's row tokens ([n] each), all of the pass's through one head: one read
+        of the screen's weights, or of the quantized head's per wave."""
+        if isinstance(self.greedy_head, GreedyWaves):
+            return self.greedy_head(steps)
+        hidden = torch.cat([step.hidden for step in steps])  # [rows, hidden_size]
+        return list(self.greedy_head(hidden).split([len(step.tokens) for step in steps]))
 
     def _native_argmax(self, step: Step, logits: torch.Tensor) -> bool:
         """Whether a greedy step's rows take their argmax from ``argmax_rows``."""

@@ -280,9 +280,12 @@ def test_the_engine_routes_short_steps_through_the_pass(tiny_gguf_gemma, tmp_pat
 
 @pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # AVX2 and AVX-512 builds of the native argmax
 def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gguf_gemma, tmp_path, isa) -> None:
-    """A greedy step's rows come back as their argmax (``RowScores.argmax`` from decoder_ops'
-    argmax_rows); decoding and verification give the tokens the logits' own argmax gives."""
+    """A greedy step's rows come back as their argmax: from the quantized head in waves
+    (``target_service.greedy_waves``) by default, else (``screened_head=False``) as decoder_ops'
+    argmax_rows over the logits; decoding and verification give the tokens the logits' own argmax
+    gives, whichever way."""
     from tandem import models
+    from target_service.greedy_waves import GreedyWaves
     from target_service.runner import RowScores
     from target_service.session import SessionConfig
     from target_service.types import DraftBlock
@@ -290,26 +293,34 @@ def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gg
     hf_dir, _ = tiny_gguf_gemma
     model = _quantized(tiny_gguf_gemma, tmp_path, isa)
     engines = []
-    for native in (True, False):
+    for way in ("waves", "native", "verifier"):
         engine = TargetEngine(models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir,
-                                                 "float32", "cpu", "quantized:test"))
+                                                 "float32", "cpu", "quantized:test"), screened_head=way == "waves")
         assert engine.runner.argmax_rows == load_decoder_ops(isa).argmax_rows
-        if not native:
+        assert isinstance(engine.runner.greedy_head, GreedyWaves) == (way == "waves")
+        if way == "verifier":
             engine.runner.argmax_rows = None  # the verifier's argmax over the logits instead
         engines.append(engine)
-    seen: list[RowScores] = []
-    real = engines[0].runner._score
-    engines[0].runner._score = lambda steps, outputs: [seen.append(s) or (s, h) for s, h in real(steps, outputs)]
+    engines[0].runner.greedy_head.sweep_rows = 2  # waves of two rows, whatever this build's sweep
+    seen: dict[int, list[RowScores]] = {0: [], 1: []}
+    for i in seen:
+        real = engines[i].runner._score
+        engines[i].runner._score = lambda steps, outputs, i=i, real=real: [
+            seen[i].append(s) or (s, h) for s, h in real(steps, outputs)]
     outputs = []
     for engine in engines:
         engine.prefill("s", list(range(3, 30)), SessionConfig(max_new_tokens=40, ignore_eos=True))
         generated = engine.generate("s", 6).token_ids
         committed = len(engine.store.get("s").tokens)
-        verdict = engine.verify(DraftBlock("s", committed, tuple(generated[:4])))
+        verdict = engine.verify(DraftBlock("s", committed, tuple([*generated[:2], (generated[2] + 1) % 50, 7, 7, 7])))
         outputs.append((generated, verdict.num_accepted, verdict.committed_token_ids))
-    assert outputs[0] == outputs[1]
-    # The native argmax came with the logits it was taken from (a session's log-probabilities read them).
-    assert any(s.argmax is not None and s.logits is not None for s in seen)
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[0][1] == 2
+    # The waves (rows 0-1, then 2-3) scored no row past the rejected third draft; the native argmax
+    # came with the logits it was taken from (a session's log-probabilities read them).
+    assert all(s.argmax is not None and s.logits is None for s in seen[0])
+    assert seen[0][-1].argmax.tolist()[:3] == [*generated[:2], verdict.committed_token_ids[-1]]
+    assert seen[0][-1].argmax.tolist()[4:] == [-1, -1, -1]
+    assert any(s.argmax is not None and s.logits is not None for s in seen[1])
 
 
 @pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # int8 activations: the row-exact runner

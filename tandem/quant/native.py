@@ -68,6 +68,8 @@ CPU_FLAGS_NEEDED = {
 # torch.backends.cpu.get_cpu_capability() -> the build that runs on it ("DEFAULT", "VSX", ...: none).
 CAPABILITY_ISA = {"AVX512": "avx512", "AVX512_BF16": "avx512", "AMX": "avx512", "AVX2": "avx2int8"}
 MAX_ROWS = 8  # rows the kernel multiplies per pass over a weight (MAX_ROWS in qmatmul.cpp)
+# Builds that multiply fewer rows per pass over a weight (MAX_ROWS of their source: AVX2 has 16 vector registers).
+SWEEP_ROWS = {"avx2int8": 4}
 
 
 class KernelUnavailable(RuntimeError):
@@ -84,6 +86,11 @@ class QuantKernel:
     def activations(self) -> str:
         """What activations are computed in: "int8" (per group, as llama.cpp) or "float32"."""
         return "int8" if self.isa in INT8_ISAS else REFERENCES.get(self.isa, "float32")
+
+    @property
+    def rows_per_sweep(self) -> int:
+        """Rows one read of a weight multiplies: more rows in a call cost the weight's arithmetic again."""
+        return SWEEP_ROWS.get(self.isa, MAX_ROWS)
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         """``weight`` in the layout this kernel reads (TILES for the int8 kernel, where the rows tile)."""
