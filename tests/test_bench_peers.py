@@ -175,6 +175,22 @@ def test_report_rows_speedups_and_identical_counts() -> None:
     assert "tokens counted from streamed text chunks" in text and "the tandem model id (no list)" in text
 
 
+def test_each_mode_is_compared_with_the_fastest_peer_of_each_domain() -> None:
+    """Peer B is the faster overall and on code, peer A on prose (where it takes 1 s, not 4)."""
+    run = [result(r.mode, r.prompt_index, 1.0 if (r.mode, r.domain) == (PEER_A.mode, "prose") else r.e2e_s,
+                  r.text, r.domain) for r in synthetic_run()]
+    report = build_report("http://x", "m", 10, run, url_peers=[PEER_A, PEER_B])
+    fastest = report.fastest_peer
+    assert fastest.overall_peer == PEER_B.mode and fastest.peer_by_domain == {"code": PEER_B.mode, "prose": PEER_A.mode}
+    assert fastest.speedup["speculative"] == pytest.approx(2.0)
+    assert fastest.speedup_by_domain["code"]["speculative"] == pytest.approx(2.0)
+    assert fastest.speedup_by_domain["prose"] == {"speculative": pytest.approx(1.0), "autoregressive": pytest.approx(0.5)}
+    text = format_report(report)
+    assert f"against the fastest peer (overall {PEER_B.mode}; per domain its own fastest):" in text
+    assert f"  speculative: 2.00x; code 2.00x ({PEER_B.mode}), prose 1.00x ({PEER_A.mode})" in text
+    assert build_report("http://x", "m", 10, run, url_peers=[PEER_A]).fastest_peer is None
+
+
 def test_outputs_are_not_compared_unless_greedy_with_mode_off() -> None:
     run = synthetic_run()
     hot = build_report("http://x", "m", 10, run, url_peers=[PEER_A], greedy=False).peers[0]

@@ -57,6 +57,18 @@ class UrlPeerReport:
 
 
 @dataclass
+class FastestPeer:
+    """Each tandem mode against the fastest ``--peer-url`` server, overall and in each domain, where
+    the fastest peer is picked per domain (a goal such as "1.5x the best of llama.cpp's modes in every
+    domain" reads these). Present with two or more URL peers; with one, ``UrlPeerReport`` says it all."""
+
+    overall_peer: str  # the fastest peer's mode label over all prompts
+    speedup: dict[str, float | None] = field(default_factory=dict)  # tandem mode -> its tokens/s over that peer's
+    peer_by_domain: dict[str, str] = field(default_factory=dict)  # domain -> the fastest peer there
+    speedup_by_domain: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+
+@dataclass
 class Report:
     url: str
     model: str
@@ -78,6 +90,7 @@ class Report:
     auto_served_modes: dict[str, int] = field(default_factory=dict)  # mode auto: requests per served mode
     auto_fallbacks: int = 0  # mode auto: fallbacks summed over its requests
     peers: list[UrlPeerReport] = field(default_factory=list)
+    fastest_peer: FastestPeer | None = None
 
 
 def _texts(results: Sequence[RequestResult], mode: str) -> dict[int, str]:
@@ -134,6 +147,27 @@ def _url_peer_report(
         outputs_identical=same if compare else None,
         outputs_compared=compared if compare else 0,
         failed=sum(1 for r in own if r.error),
+    )
+
+
+def _fastest_peer(
+    labels: Sequence[str], modes: Sequence[str], overall: dict[str, ModeSummary],
+    by_domain: dict[str, dict[str, ModeSummary]],
+) -> FastestPeer | None:
+    """Tandem's modes over the fastest of two or more URL peers (by tokens/s), overall and per domain."""
+    if len(labels) < 2:
+        return None
+
+    def fastest(summaries: dict[str, ModeSummary]) -> str:
+        return max(labels, key=lambda label: summaries[label].tokens_per_s if label in summaries else 0.0)
+
+    best = fastest(overall)
+    per_domain = {d: fastest(s) for d, s in by_domain.items()}
+    return FastestPeer(
+        overall_peer=best,
+        speedup={m: ratio(overall[m], overall[best]) for m in modes},
+        peer_by_domain=per_domain,
+        speedup_by_domain={d: {m: ratio(s.get(m), s.get(per_domain[d])) for m in modes} for d, s in by_domain.items()},
     )
 
 
@@ -194,6 +228,7 @@ def build_report(
         auto_served_modes=served if AUTO in modes else {},
         auto_fallbacks=fallbacks,
         peers=[_url_peer_report(p, measured, modes, overall, by_domain, greedy) for p in url_peers],
+        fastest_peer=_fastest_peer([p.mode for p in url_peers], modes, overall, by_domain),
     )
 
 

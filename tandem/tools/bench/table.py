@@ -80,6 +80,13 @@ def _url_peers(report: Report) -> list[str]:
                          "prompts (tokenizers or BOS handling may differ between servers)")
         if peer.failed:
             lines.append(f"  {peer.failed} request(s) to this peer failed")
+    fastest = report.fastest_peer
+    if fastest is not None:
+        lines.append(f"against the fastest peer (overall {fastest.overall_peer}; per domain its own fastest):")
+        for mode, value in fastest.speedup.items():
+            per_domain = ", ".join(f"{d} {_x(s.get(mode))} ({fastest.peer_by_domain[d]})"
+                                   for d, s in fastest.speedup_by_domain.items())
+            lines.append(f"  {mode}: {_x(value)}" + (f"; {per_domain}" if per_domain else ""))
     return lines
 
 
