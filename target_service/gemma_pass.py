@@ -162,10 +162,15 @@ class GemmaPass:
             (down,) = layer.down(gated)
             hidden, normed = ops.add_rms_norm(hidden, down, layer.post_feedforward_norm, after, eps)
         scored = normed if isinstance(keep, int) and keep == 0 else normed[keep]  # [kept, hidden]
-        logits = self.lm_head(scored)  # [kept, vocab]
+        return normed, self.logits(scored)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states [rows, hidden] -> [rows, vocab], soft-capped as the
+        model says; each row alone (the quantized head's rows do not depend on each other)."""
+        logits = self.lm_head(normed)  # [rows, vocab]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return normed, logits
+        return logits
 
 
 def for_model(model: nn.Module) -> GemmaPass | None:

@@ -12,7 +12,7 @@ is never scored and reads -1, a token no walk compares equal to a draft.
 
 Exact: the kernels compute each row alone (``tandem.quant.modules``: a row's output does not depend
 on the rows beside it), so a scored row's logits, soft-capping and argmax are bit for bit what the
-whole pass's head gives it, and the walk reads only rows it reaches, which are scored.
+whole pass gives it (the same ``GemmaPass.logits``), and the walk reads only rows it reaches, which are scored.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class GreedyRows:
     parents: Sequence[int]  # [n] each row's parent row, ROOT (-1) for row 0
 
     @staticmethod
-    def chain(hidden: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None) -> GreedyRows:
+    def of(hidden: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None) -> GreedyRows:
         """A step's rows; ``parents`` None for a chain (row i follows row i - 1)."""
         return GreedyRows(hidden, tokens, tuple(parents) if parents is not None else (ROOT, *range(len(tokens) - 1)))
 
@@ -47,15 +47,13 @@ class GreedyWaves:
         head: Callable[[torch.Tensor], torch.Tensor],
         argmax_rows: Callable[[torch.Tensor], torch.Tensor],
         sweep_rows: int,
-        softcap: float | None = None,
     ) -> None:
-        """``head``: [rows, hidden] -> [rows, vocab] logits, each row computed alone; ``argmax_rows``:
-        [rows, vocab] -> [rows] (first index of the largest, as torch.argmax); ``sweep_rows``: the rows
-        one read of the head's weight multiplies; ``softcap``: the model's final logit soft-capping."""
+        """``head``: [rows, hidden] -> [rows, vocab] the model's final logits (soft-capped where it
+        caps them), each row computed alone; ``argmax_rows``: [rows, vocab] -> [rows] (first index of
+        the largest, as torch.argmax); ``sweep_rows``: the rows one read of the head's weight multiplies."""
         self.head = head
         self.argmax_rows = argmax_rows
         self.sweep_rows = max(1, int(sweep_rows))
-        self.softcap = softcap
         self.rows_scored = 0  # over the object's life: rows through the head
         self.rows_skipped = 0  # and rows no verdict could reach
 
@@ -67,9 +65,7 @@ class GreedyWaves:
             if not any(wave):
                 break
             hidden = torch.cat([step.hidden[rows] for step, rows in zip(steps, wave) if rows])  # [wave rows, hidden]
-            logits = self.head(hidden.contiguous())  # [wave rows, vocab]
-            if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = self.head(hidden)  # [wave rows, vocab]
             picked = iter(self.argmax_rows(logits).tolist())
             for choice, done, rows in zip(tokens, scored, wave):
                 for row in rows:

@@ -120,8 +120,7 @@ class ModelRunner:
         if self.greedy_head is None and screened_head and self.argmax_rows is not None:
             kernel = getattr(lean_pass.lm_head, "kernel", None)
             if kernel is not None:
-                self.greedy_head = GreedyWaves(lean_pass.lm_head, self.argmax_rows, kernel.rows_per_sweep,
-                                               lean_pass.softcap)
+                self.greedy_head = GreedyWaves(lean_pass.logits, self.argmax_rows, kernel.rows_per_sweep)
 
     def screens(self, session: Session) -> bool:
         """Whether the session's tokens come from the greedy head (a screen, or the quantized head in
@@ -223,7 +222,7 @@ class ModelRunner:
         )
         logits, hidden = self.forward(session, session.tokens, want_hidden=self.greedy_head is not None)  # [8, vocab]
         if self.greedy_head is not None:
-            self._greedy_tokens([GreedyRows.chain(hidden, session.tokens)])  # oneDNN builds a screen's kernels now
+            self._greedy_tokens([GreedyRows.of(hidden, session.tokens)])  # oneDNN builds a screen's kernels now
         # A sampling session's draws, as target_service.acceptance.randomness takes them.
         uniforms = draw_uniforms((1, 7), session.generator)  # [1, 7]
         draws = self.verifier.token_draws(1, self.vocab_size, session.generator)  # the next token's draw
@@ -247,8 +246,8 @@ class ModelRunner:
         steps get the argmax of their scored rows, all of the pass's through one screen (one read
         of its weights for every greedy session in the pass)."""
         screened = [
-            GreedyRows.chain(hidden[-1:], step.token_ids[-1:]) if step.last_only
-            else GreedyRows.chain(hidden, step.token_ids, step.tree)  # hidden: [scored rows, hidden_size]
+            GreedyRows.of(hidden[-1:], step.token_ids[-1:]) if step.last_only
+            else GreedyRows.of(hidden, step.token_ids, step.tree)  # hidden: [scored rows, hidden_size]
             for step, (_, hidden) in zip(steps, outputs)
             if step.screened and step.scored
         ]

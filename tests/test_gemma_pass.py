@@ -282,8 +282,8 @@ def test_the_engine_routes_short_steps_through_the_pass(tiny_gguf_gemma, tmp_pat
 def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gguf_gemma, tmp_path, isa) -> None:
     """A greedy step's rows come back as their argmax: from the quantized head in waves
     (``target_service.greedy_waves``) by default, else (``screened_head=False``) as decoder_ops'
-    argmax_rows over the logits; decoding and verification give the tokens the logits' own argmax
-    gives, whichever way."""
+    argmax_rows over the logits; decoding and verification give the tokens the (soft-capped)
+    logits' own argmax gives, whichever way."""
     from tandem import models
     from target_service.greedy_waves import GreedyWaves
     from target_service.runner import RowScores
@@ -292,6 +292,7 @@ def test_greedy_rows_take_the_native_argmax_and_decode_as_the_logits_say(tiny_gg
 
     hf_dir, _ = tiny_gguf_gemma
     model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    gemma_pass.for_model(model).softcap = 0.5  # a final logit soft-cap that bites, shared by every way
     engines = []
     for way in ("waves", "native", "verifier"):
         engine = TargetEngine(models.LoadedModel("tiny-q", model, models.load_tokenizer(str(hf_dir)), hf_dir,
