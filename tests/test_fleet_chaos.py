@@ -19,7 +19,7 @@ from stack import Fleet, metric_value, running_fleet
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 STREAMS = 12
-MAX_TOKENS = 120
+MAX_TOKENS = 64  # long enough that every stream is under way through the faults (~13 s each here)
 TARGET_TIMEOUT_S = 1.5
 PROMPTS = [f"Story {i}: once upon a time, in a land of {w}," for i, w in
            enumerate(["rivers", "stone", "glass", "wind", "salt", "moss", "iron", "snow", "reeds", "dust", "fire", "rain"])]

@@ -139,7 +139,8 @@ def assert_structured_output_is_lossless(stack) -> None:
             answers[attempt, mode] = "".join(c.text for c in chunks)
             assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         assert answers[attempt, common_pb2.SPECULATION_MODE_ON] == answers[attempt, common_pb2.SPECULATION_MODE_OFF]
-        time.sleep(3)
+        if attempt == 0:
+            time.sleep(3)  # the draft compiles the schema meanwhile
     assert json.loads(answers[1, common_pb2.SPECULATION_MODE_ON]) == {"name": "Maria Lopez", "age": 34}
 
 
