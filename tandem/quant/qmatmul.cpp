@@ -21,7 +21,8 @@
 // -mavx2 -mfma), chosen by tandem/quant/native.py from the CPU's capability.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third of the build's time parsing every op
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 

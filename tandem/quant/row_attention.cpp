@@ -7,7 +7,8 @@
 // products (lanes, then a fixed tree), optionally soft-capped, softmaxed with the maximum subtracted
 // (a polynomial exp, vectorised), normalised once, and the values summed in key order. Why not SDPA: a multi-row call sums in another order than a
 // one-row call, and int8 activations (qmatmul_vnni.cpp) turn that rounding noise into changed tokens.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third of the build's time parsing every op
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
