@@ -79,3 +79,13 @@ def test_a_broken_file_is_refused_as_gguf_py_refuses_it(tmp_path: Path, broken: 
         gguf.GGUFReader(str(path))
     with pytest.raises(ValueError):
         plain_view_reader()(str(path))
+
+
+def test_read_gguf_shares_the_conversions_reader_and_is_quick_elsewhere(tmp_path: Path) -> None:
+    from tandem.models.gguf_parse import read_gguf
+
+    path = write_gguf(tmp_path / "every-kind.gguf")
+    alone = read_gguf(path)
+    assert isinstance(alone, plain_view_reader()) and alone is not read_gguf(path)
+    with one_gguf_parse():
+        assert read_gguf(path) is read_gguf(path) is gguf.GGUFReader(str(path))

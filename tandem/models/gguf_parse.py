@@ -48,6 +48,17 @@ def plain_view_reader() -> type:
     return PlainViewReader
 
 
+def read_gguf(path: str | Path) -> Any:
+    """A reader of the GGUF file at ``path``: within :func:`one_gguf_parse` the one it shares,
+    else a new :func:`plain_view_reader` (a target repacking a file's blocks at its start)."""
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    if gguf.GGUFReader is not GGUFReader:  # one_gguf_parse's (or a test's) stands in for it
+        return gguf.GGUFReader(str(path))
+    return plain_view_reader()(str(path))
+
+
 @contextmanager
 def one_gguf_parse() -> Iterator[None]:
     """Within it, transformers parses each GGUF file once, quickly (see the module's docstring).

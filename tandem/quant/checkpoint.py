@@ -16,7 +16,7 @@ weight, and the summary says which.
 The repacked blocks are cached beside the float32 conversion (``BLOCKS_FILE``, safetensors) with
 the file's architecture (all the name map needs from it), so only the first start reads the GGUF
 file: gguf-py parses every metadata field when it opens one, a 262,144-token vocabulary included
-(about 10 s for gemma-3-270m). The conversion itself writes the cache from the reader it already
+(seconds even read as ``tandem.models.gguf_parse.read_gguf`` reads it). The conversion itself writes the cache from the reader it already
 holds (:func:`write_blocks`), marked unchecked; the first load compares it in full, as it would
 blocks it had repacked itself, and marks it checked.
 """
@@ -182,9 +182,9 @@ def _blocks(gguf_path: Path, blocks_file: Path) -> tuple[dict[str, QuantizedTens
 
 
 def _repack(gguf_path: Path) -> tuple[dict[str, QuantizedTensor], str]:
-    import gguf
+    from tandem.models.gguf_parse import read_gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = read_gguf(gguf_path)
     architecture = str(reader.fields["general.architecture"].contents())
     blocks = {}
     for tensor in reader.tensors:
