@@ -89,3 +89,10 @@ def test_read_gguf_shares_the_conversions_reader_and_is_quick_elsewhere(tmp_path
     assert isinstance(alone, plain_view_reader()) and alone is not read_gguf(path)
     with one_gguf_parse():
         assert read_gguf(path) is read_gguf(path) is gguf.GGUFReader(str(path))
+
+
+def test_a_gguf_py_whose_reader_is_built_another_way_keeps_its_own_reader(monkeypatch) -> None:
+    from gguf.gguf_reader import GGUFReader
+
+    monkeypatch.setattr(GGUFReader, "_get", lambda self, offset, dtype, count=1, order=None, extra=0: None)
+    assert plain_view_reader.__wrapped__() is GGUFReader

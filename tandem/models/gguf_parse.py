@@ -21,17 +21,26 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 
 @functools.cache
 def plain_view_reader() -> type:
-    """gguf-py's reader class, its views taken from a plain ndarray (the class made once)."""
+    """gguf-py's reader class, its views taken from a plain ndarray (the class made once); gguf-py's
+    own where its reader is not built on the ``_get`` this overrides."""
     import numpy as np
     from gguf.gguf_reader import GGUFReader
+
+    if list(inspect.signature(GGUFReader._get).parameters) != ["self", "offset", "dtype", "count", "override_order"]:
+        log.info("this gguf-py's reader is built another way: GGUF files are parsed as it parses them")
+        return GGUFReader
 
     class PlainViewReader(GGUFReader):
         """``GGUFReader`` whose views come from a plain ndarray over the same memory map."""
