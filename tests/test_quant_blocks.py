@@ -9,7 +9,7 @@ import torch
 
 from tandem.quant.gguf_blocks import READERS, to_quantized
 from tandem.quant.reference import dequantize
-from tandem.quant.tensor import ROWS, TILES, from_tiles, pack, row_bytes, to_tiles, unpack
+from tandem.quant.tensor import ROWS, TILES, QuantizedTensor, from_tiles, pack, row_bytes, to_tiles, unpack, unsigned_bytes
 from tiny import _random_k_blocks
 
 NUMPY_QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these itself
@@ -24,6 +24,20 @@ def test_pack_and_unpack_are_inverse(bits: int) -> None:
     packed = pack(values, bits)
     assert packed.shape == (7, row_bytes(96, bits)) and packed.dtype == np.uint8
     assert torch.equal(unpack(torch.from_numpy(packed), bits, 96), torch.from_numpy(values).to(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_the_tiles_bytes_are_the_integers_unsigned(bits: int) -> None:
+    """What ``to_tiles`` lays out: each integer as an unsigned byte, 8-bit ones plus 128 (every value
+    of each width, in every position of a group)."""
+    rng = np.random.default_rng(10 + bits)
+    low, high = (-128, 128) if bits == 8 else (0, 2**bits)
+    values = rng.integers(low, high, (16, 256))
+    values[0, : high - low] = np.arange(low, high)
+    weight = QuantizedTensor(torch.from_numpy(pack(values, bits)), torch.ones(16, 8), None, 32, bits, 0, "check")
+    got = unsigned_bytes(weight)
+    assert got.dtype == torch.uint8
+    assert torch.equal(got.to(torch.int32), torch.from_numpy(values).to(torch.int32) + (128 if bits == 8 else 0))
 
 
 @pytest.mark.parametrize("type_name", NUMPY_QUANTIZED + K_TYPES)

@@ -114,3 +114,26 @@ def test_where_onednn_cannot_pack_the_screen_greedy_tokens_read_the_float32_head
     with caplog.at_level(logging.INFO, logger="tandem.cpu.screened_head"):
         assert screened_argmax_for(loaded.model, "cpu", min_bytes=0) is None
     assert "oneDNN cannot pack its bfloat16 copy here" in caplog.text
+
+
+def test_a_quantized_head_gets_no_screen_and_is_not_dequantized(tiny_gguf_gemma, tmp_path, monkeypatch) -> None:
+    """A head on GGUF blocks is no float32 ``nn.Linear``: the check says so before reading its
+    ``weight``, which for a quantized module is a float32 copy (for gemma-3-270m 671 MB and two
+    seconds of every start)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.quant.checkpoint import BLOCKS_FILE, quantize_model
+    from tandem.quant.modules import QuantLinear
+    from tandem.quant.native import QuantKernel
+
+    hf_dir, gguf_path = tiny_gguf_gemma
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model.config.get_text_config().final_logit_softcapping = None  # so that only the head's type can say no
+    quantize_model(model, gguf_path, tmp_path / BLOCKS_FILE, QuantKernel("reference-int8"))
+    assert isinstance(model.get_output_embeddings(), QuantLinear)
+
+    def refuse(self):
+        raise AssertionError("the quantized head was dequantized")
+
+    monkeypatch.setattr(QuantLinear, "weight", property(refuse))
+    assert screened_argmax_for(model, "cpu", min_bytes=0) is None

@@ -147,9 +147,9 @@ def screened_argmax_for(model: torch.nn.Module, device: str, min_bytes: int = MI
     if not str(device).startswith("cpu"):
         return None
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(head, torch.nn.Linear) or weight is None or head.bias is not None:
-        return None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None  # before reading ``weight``: a quantized head's is a float32 copy made on each read
+    weight = head.weight
     if weight.dtype != torch.float32 or weight.numel() * weight.element_size() < min_bytes:
         return None
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

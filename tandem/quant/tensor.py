@@ -127,6 +127,22 @@ def unpack(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     return values.reshape(out, in_features)
 
 
+def unsigned_bytes(weight: QuantizedTensor) -> torch.Tensor:
+    """A row-layout weight's integers as the tiles store them, unsigned [out, in] uint8 (8-bit ones +
+    128): :func:`unpack` without its int32 copy, which for a 262k-row head is most of a start's repacking."""
+    out, width = weight.shape
+    if weight.bits == 8:
+        return weight.packed ^ 0x80  # int8 v as uint8, plus 128 modulo 256
+    groups = weight.packed.reshape(out, width // 32, GROUP_BYTES[weight.bits])  # [out, G, bytes] uint8
+    low = groups[..., :16]  # [out, G, 16]
+    values = torch.cat([low & 0x0F, low >> 4], dim=-1)  # [out, G, 32]
+    if weight.bits == 5:
+        shifts = torch.arange(8, dtype=torch.uint8)  # element i's fifth bit: bit i % 8 of byte i // 8
+        fifth = (groups[..., 16:, None] >> shifts) & 1  # [out, G, 4, 8]
+        values |= fifth.reshape(out, width // 32, 32) << 4
+    return values.reshape(out, width)
+
+
 def _tile_zero(weight: QuantizedTensor) -> int:
     """The tiles' integers are unsigned: 8-bit ones carry +128, folded into ``zero``."""
     return weight.zero + (128 if weight.bits == 8 else 0)
@@ -138,8 +154,7 @@ def to_tiles(weight: QuantizedTensor) -> QuantizedTensor:
     if weight.layout != ROWS or out % TILE:
         raise ValueError(f"to_tiles needs a row-layout weight with a multiple of {TILE} rows, got {weight.shape}")
     groups, group = width // weight.group, weight.group
-    values = unpack(weight.packed, weight.bits, width) + (128 if weight.bits == 8 else 0)  # [out, in] unsigned
-    blocks = values.to(torch.uint8).reshape(out // TILE, TILE, groups, group // 4, 4)
+    blocks = unsigned_bytes(weight).reshape(out // TILE, TILE, groups, group // 4, 4)  # uint8
     blocks = blocks.permute(0, 2, 3, 1, 4).contiguous()  # [tiles, groups, group/4, TILE, 4]
     if weight.bits == 8:
         packed = blocks.reshape(out // TILE, groups, -1)
