@@ -68,6 +68,7 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(specs, "_convert_gguf_unlocked", no_second_conversion)
     assert models.resolve(str(gguf)).hf_dir == first.hf_dir
+    assert_added_tokens_are_recorded(gguf, first.hf_dir)
     loaded = models.load_model(str(gguf), device="cpu", dtype="float32")
     assert loaded.name == "my-gemma" and loaded.model.config.vocab_size == 262144
     assert models.tokenizer_fingerprint(loaded.tokenizer) == builtin_fingerprint
@@ -83,3 +84,27 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     summary = checkpoint.quantize_model(loaded.model, gguf, blocks_file, QuantKernel("reference"))
     assert summary.swapped and "Q4_K" in summary.by_type and compared and all(compared)
     assert checkpoint._read_cache(blocks_file, checkpoint._source_id(gguf))[2] is True
+
+
+def assert_added_tokens_are_recorded(gguf: Path, hf_dir: Path) -> None:
+    """A converted tokenizer's config lists its added tokens (else every load parses tokenizer.json
+    again to find them); a conversion made without them gets them at its next resolve, and the
+    tokenizer loads the same either way."""
+    import json
+
+    config_file = hf_dir / "tokenizer_config.json"
+    recorded = config_file.read_bytes()
+    added = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    assert json.loads(recorded)["added_tokens_decoder"] == {
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in added}
+    with_record = models.load_tokenizer(str(hf_dir))
+    older = json.loads(recorded)
+    del older["added_tokens_decoder"]
+    config_file.write_text(json.dumps(older))  # as a conversion before this record was written
+    without_record = models.load_tokenizer(str(hf_dir))
+    text = "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n<eos>"
+    assert with_record(text).input_ids == without_record(text).input_ids
+    assert with_record.added_tokens_decoder == without_record.added_tokens_decoder
+    assert models.tokenizer_fingerprint(with_record) == models.tokenizer_fingerprint(without_record)
+    assert models.resolve(str(gguf)).hf_dir == hf_dir  # not converted again (the caller forbids it)
+    assert config_file.read_bytes() == recorded
