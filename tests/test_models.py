@@ -68,10 +68,10 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(specs, "_convert_gguf_unlocked", no_second_conversion)
     assert models.resolve(str(gguf)).hf_dir == first.hf_dir
-    assert_added_tokens_are_recorded(gguf, first.hf_dir)
     loaded = models.load_model(str(gguf), device="cpu", dtype="float32")
     assert loaded.name == "my-gemma" and loaded.model.config.vocab_size == 262144
     assert models.tokenizer_fingerprint(loaded.tokenizer) == builtin_fingerprint
+    assert_added_tokens_are_recorded(gguf, first.hf_dir, loaded.tokenizer)
 
     # The conversion repacked the file's blocks from its one parse, unchecked; the first
     # quantize_model reads no GGUF, compares them in full, and marks them checked.
@@ -86,7 +86,7 @@ def test_gguf_file_spec_is_converted_once_then_cached(tmp_path: Path, monkeypatc
     assert checkpoint._read_cache(blocks_file, checkpoint._source_id(gguf))[2] is True
 
 
-def assert_added_tokens_are_recorded(gguf: Path, hf_dir: Path) -> None:
+def assert_added_tokens_are_recorded(gguf: Path, hf_dir: Path, with_record) -> None:
     """A converted tokenizer's config lists its added tokens (else every load parses tokenizer.json
     again to find them); a conversion made without them gets them at its next resolve, and the
     tokenizer loads the same either way."""
@@ -97,7 +97,6 @@ def assert_added_tokens_are_recorded(gguf: Path, hf_dir: Path) -> None:
     added = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
     assert json.loads(recorded)["added_tokens_decoder"] == {
         str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in added}
-    with_record = models.load_tokenizer(str(hf_dir))
     older = json.loads(recorded)
     del older["added_tokens_decoder"]
     config_file.write_text(json.dumps(older))  # as a conversion before this record was written
