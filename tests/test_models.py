@@ -107,3 +107,44 @@ def assert_added_tokens_are_recorded(gguf: Path, hf_dir: Path, with_record) -> N
     assert models.tokenizer_fingerprint(with_record) == models.tokenizer_fingerprint(without_record)
     assert models.resolve(str(gguf)).hf_dir == hf_dir  # not converted again (the caller forbids it)
     assert config_file.read_bytes() == recorded
+
+
+def _converted_tokenizer(folder: Path) -> Path:
+    """The tokenizer files a conversion made before the added tokens were recorded."""
+    import json
+
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": 0, "content": "<pad>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True},
+        {"id": 7, "content": "<tool>", "single_word": False, "lstrip": True, "rstrip": False, "normalized": True,
+         "special": False}]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", "pad_token": "<pad>"}))
+    return folder
+
+
+def test_an_older_conversion_gets_its_added_tokens_recorded_once(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    folder = _converted_tokenizer(tmp_path / "models" / "old")
+    specs._record_added_tokens(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "GemmaTokenizer" and config["added_tokens_decoder"] == {
+        "0": {"content": "<pad>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True},
+        "7": {"content": "<tool>", "single_word": False, "lstrip": True, "rstrip": False, "normalized": True,
+              "special": False}}
+    monkeypatch.setattr(specs, "_locked", lambda _out: pytest.fail("recorded twice"))
+    specs._record_added_tokens(folder)  # already there: not even the lock is taken
+
+
+def test_a_read_only_cache_keeps_its_tokenizer_config(tmp_path: Path, monkeypatch) -> None:
+    folder = _converted_tokenizer(tmp_path / "models" / "read-only")
+    before = (folder / "tokenizer_config.json").read_bytes()
+
+    def read_only(_out):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(specs, "_locked", read_only)
+    specs._record_added_tokens(folder)  # logs and goes on: the tokenizer loads as before
+    assert (folder / "tokenizer_config.json").read_bytes() == before

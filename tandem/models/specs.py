@@ -196,9 +196,13 @@ def _record_added_tokens(out: Path) -> None:
     gets them at its next start. transformers 5 saves them only in ``tokenizer.json``, and loading a
     tokenizer whose config lacks them parses the whole ``tokenizer.json`` once more to find them:
     for Gemma 3's 33 MB a second of every process's start. The tokens are the same either way."""
-    if _added_tokens_missing(out):
+    if not _added_tokens_missing(out):
+        return
+    try:
         with _locked(out):
             _write_added_tokens(out)
+    except OSError as error:  # a read-only cache (a mounted volume): the tokenizer loads as before, slower
+        log.info("could not record the added tokens in %s: %s", out / "tokenizer_config.json", error)
 
 
 def _added_tokens_missing(folder: Path) -> bool:
