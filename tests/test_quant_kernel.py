@@ -133,35 +133,40 @@ def test_kernel_refuses_malformed_arguments(kernel) -> None:
         kernel.matmul(torch.randn(2, 96), weight)
 
 
-@pytest.mark.parametrize("kind", ["", "attention", "decoder"])
-def test_the_build_is_cached_in_the_tandem_cache(kernel, kind: str) -> None:
-    """The product kernel, the row attention and the decoder ops each in their own folder there."""
+def test_the_build_is_cached_in_the_tandem_cache_one_folder_for_every_op(kernel) -> None:
+    """The product kernel, the row attention and the decoder ops: one build (one translation unit)
+    in one folder there, loaded once per process."""
     assert kernel.isa in NEEDS
-    if kind == "attention":
-        native.load_row_attention(kernel.isa)
-    elif kind == "decoder":
-        native.load_decoder_ops(kernel.isa)
-    folder = native.build_folder(kernel.isa, kind)
-    assert folder.parent == native_cache() / "kernels" and any(folder.glob("*.so"))
+    native.load_row_attention(kernel.isa)
+    native.load_decoder_ops(kernel.isa)
+    folder = native.build_folder(kernel.isa)
+    assert folder.parent == native_cache() / "kernels" and len(list(folder.glob("*.so"))) == 1
+    unit = (folder / "kernels.cpp").read_text()
+    assert all(f"#define TANDEM_QUANT_LIBRARY {native._library(kernel.isa, kind)}" in unit
+               for kind in ("", *native.OPS_KINDS))
+    assert native._build(kernel.isa) == "loaded"
 
 
 def test_prebuild_builds_only_what_the_probes_build_lacks(monkeypatch, tmp_path: Path) -> None:
-    """What ``tandem serve`` runs beside a first conversion: the probe's three builds, each only
-    where its folder has no library yet; a failed build is left to the target."""
+    """What ``tandem serve`` runs beside a first conversion: the probe's build, only where its
+    folder has no library yet; a failed build is left to the target."""
     monkeypatch.setattr(native, "probe", lambda: ("avx2int8", "forced"))
-    monkeypatch.setattr(native, "build_folder", lambda isa, kind="": tmp_path / f"{isa}-{kind or 'product'}")
-    (tmp_path / "avx2int8-product").mkdir()
-    (tmp_path / "avx2int8-product" / "lib.so").write_bytes(b"")
+    monkeypatch.setattr(native, "build_folder", lambda isa: tmp_path / isa)
     built = []
 
-    def fake_build(isa: str, kind: str = "") -> str:
-        if kind == "attention":
+    def fake_build(isa: str) -> str:
+        if isa == "avx2":
             raise RuntimeError("no compiler")
-        built.append((isa, kind))
+        built.append(isa)
         return "built"
 
     monkeypatch.setattr(native, "_build", fake_build)
-    assert native.prebuild() == ["avx2int8/decoder"] and built == [("avx2int8", "decoder")]
+    assert native.prebuild() == ["avx2int8"] and built == ["avx2int8"]
+    (tmp_path / "avx2int8").mkdir()
+    (tmp_path / "avx2int8" / "lib.so").write_bytes(b"")
+    assert native.prebuild() == [] and built == ["avx2int8"]  # built already
+    monkeypatch.setattr(native, "probe", lambda: ("avx2", "forced"))
+    assert native.prebuild() == []  # the build failed: the target will say why
     monkeypatch.setattr(native, "probe", lambda: (None, "no AVX2"))
     assert native.prebuild() == []
 
@@ -220,9 +225,9 @@ def test_a_build_this_cpu_cannot_run_is_refused_before_it_runs(monkeypatch) -> N
     with SIGILL), and the list of what this host runs leaves them out."""
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse2"})
     monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setattr(native, "_OPS", {})
+    monkeypatch.setattr(native, "_BUILT", {})
     built = []
-    monkeypatch.setattr(native, "_build", lambda isa, kind="": built.append((isa, kind)) or "built")
+    monkeypatch.setattr(native, "_build", lambda isa: built.append(isa) or "built")
     monkeypatch.setattr(native, "_self_check", lambda kernel: "")
     for isa in ("avx512vnni", "avx512"):
         with pytest.raises(KernelUnavailable, match=f"the {isa} build needs CPU flags this CPU lacks: .*avx512bw, avx512f"):

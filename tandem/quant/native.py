@@ -1,8 +1,10 @@
 """The quantized product's native kernels: which build this host runs, and the build.
 
 Kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
-(``$TANDEM_CACHE_DIR/kernels``, one folder per build, source and torch install; about 20 s once,
-then a load):
+(``$TANDEM_CACHE_DIR/kernels``, one folder per instruction set, sources and torch install; about
+11 s once on 2 cores, then a load). Each instruction set's product, row attention and decoder ops
+are one translation unit (a small generated file including the three sources), so the torch
+headers, most of a build's time, are parsed once rather than three times (26 -> 11 s):
 
 * ``avx512vnni`` (``qmatmul_vnni.cpp``): activations quantized to int8 per group, integer products
   by vpdpbusd, weights in the ``TILES`` layout. A pass costs about the same for one to eight rows.
@@ -204,23 +206,19 @@ def available_kernels() -> list[str]:
 
 def prebuild() -> list[str]:
     """Compiles into the tandem cache what a target on this host builds at its first start (the
-    probe's product kernel, its row attention and the decoder ops) where it is not built yet;
-    returns the builds made. ``tandem serve`` runs it in a process of its own while it converts a
-    GGUF on a first start, so the compiler and the conversion share the two cores rather than
-    follow each other. A build that fails is left to the target, which says why and falls back."""
+    probe's kernels: product, row attention and decoder ops) where it is not built yet; returns
+    the builds made. ``tandem serve`` runs it in a process of its own while it converts a GGUF on a
+    first start, so the compiler and the conversion share the two cores rather than follow each
+    other. A build that fails is left to the target, which says why and falls back."""
     isa, _ = probe()
-    if isa is None:
+    if isa is None or any(build_folder(isa).glob("*.so")):
         return []
-    made = []
-    for kind in ("", "attention", "decoder"):
-        if any(build_folder(isa, kind).glob("*.so")):
-            continue
-        try:
-            _build(isa, kind)
-            made.append(f"{isa}/{kind or 'product'}")
-        except Exception as error:  # noqa: BLE001  the target builds it again and reports the error
-            log.warning("prebuilding %s/%s failed: %s", isa, kind or "product", str(error)[-200:])
-    return made
+    try:
+        _build(isa)
+    except Exception as error:  # noqa: BLE001  the target builds it again and reports the error
+        log.warning("prebuilding the %s kernels failed: %s", isa, str(error)[-200:])
+        return []
+    return [isa]
 
 
 def _library(isa: str, kind: str = "") -> str:
@@ -229,9 +227,6 @@ def _library(isa: str, kind: str = "") -> str:
 
 def _ops(isa: str):
     return getattr(torch.ops, _library(isa))
-
-
-_OPS: dict[tuple[str, str], object] = {}
 
 
 def load_row_attention(isa: str):
@@ -248,48 +243,66 @@ def load_decoder_ops(isa: str):
 
 
 def _load_ops(isa: str, kind: str):
-    if (isa, kind) not in _OPS:
-        _refuse_what_cannot_run(isa)
-        try:
-            _build(isa, kind)
-        except Exception as error:  # noqa: BLE001  as for the products: say why, let the caller fall back
-            raise KernelUnavailable(f"the {isa} build of {SOURCES[kind].name} failed: {str(error)[-400:]}") from error
-        _OPS[isa, kind] = getattr(torch.ops, _library(isa, kind))
-    return _OPS[isa, kind]
+    _refuse_what_cannot_run(isa)
+    try:
+        _build(isa)
+    except Exception as error:  # noqa: BLE001  as for the products: say why, let the caller fall back
+        raise KernelUnavailable(f"the {isa} build of {SOURCES[kind].name} failed: {str(error)[-400:]}") from error
+    return getattr(torch.ops, _library(isa, kind))
 
 
-def build_folder(isa: str, kind: str = "") -> Path:
-    """Where the ``isa`` build of a source (``kind``: a key of SOURCES; default the product kernel
-    ``isa`` runs) lives in the tandem cache: one folder per source, flags, header and torch install."""
-    return _build_plan(isa, kind)[3]
+def build_folder(isa: str) -> Path:
+    """Where the ``isa`` build of the kernels lives in the tandem cache: one folder per instruction
+    set, sources, flags, headers and torch install."""
+    return _build_plan(isa)[2]
 
 
-def _build_plan(isa: str, kind: str = "") -> tuple[str, Path, list[str], Path, str]:
-    """(library, source, flags, folder, digest) of a build."""
+def _bundle(isa: str) -> dict[str, Path]:
+    """The libraries one ``isa`` build registers, each with its source: the product kernel the
+    instruction set runs, the row attention and the decoder ops."""
+    product = SOURCES[INT8_SOURCES.get(isa, "float32")]
+    return {_library(isa): product, **{_library(isa, kind): SOURCES[kind] for kind in OPS_KINDS}}
+
+
+def _build_plan(isa: str) -> tuple[str, list[str], Path, str]:
+    """(the translation unit's text, flags, folder, digest) of an ``isa`` build."""
     from tandem.models import cache_dir
 
-    kind = kind or INT8_SOURCES.get(isa, "float32")
-    library = _library(isa, kind if kind in OPS_KINDS else "")
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", f"-DTANDEM_QUANT_LIBRARY={library}", *ISA_FLAGS[isa]]
-    source = SOURCES[kind]
-    # The torch install and the source's path are part of the key: the build file names the torch
-    # headers and the source by path, so another install's (a second virtual environment) or another
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
+    bundle = _bundle(isa)
+    # Each source registers its ops under the library name it is given (its TANDEM_QUANT_LIBRARY).
+    unit = "".join(f'#define TANDEM_QUANT_LIBRARY {library}\n#include "{source.resolve()}"\n#undef TANDEM_QUANT_LIBRARY\n'
+                   for library, source in bundle.items())
+    # The torch install and the sources' paths are part of the key: the build file names the torch
+    # headers and the sources by path, so another install's (a second virtual environment) or another
     # checkout's would make ninja rebuild the folder at every switch between them.
-    key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), str(source.resolve()), *flags])
-    headers = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.h")))  # what the sources include
-    digest = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:12]
-    return library, source, flags, cache_dir() / "kernels" / f"{source.stem}-{isa}-{digest}", digest
+    key = " ".join([torch.__version__, str(Path(torch.__file__).resolve().parent), *flags])
+    sources = b"".join(source.read_bytes() for source in bundle.values())
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCES["float32"].parent.glob("*.h")))  # what they include
+    digest = hashlib.sha256(sources + headers + unit.encode() + key.encode()).hexdigest()[:12]
+    return unit, flags, cache_dir() / "kernels" / f"kernels-{isa}-{digest}", digest
 
 
-def _build(isa: str, kind: str = "") -> str:
-    """Compiles (or finds) the ``isa`` build of a kernel and loads it into torch.ops; returns what it did."""
+_BUILT: dict[str, str] = {}  # isa -> what its build did in this process ("built" or "loaded")
+
+
+def _build(isa: str) -> str:
+    """Compiles (or finds) the ``isa`` build of the kernels and loads it into torch.ops (once per
+    process); returns what it did."""
+    if isa in _BUILT:
+        return "loaded"
     from torch.utils import cpp_extension
 
-    library, source, flags, folder, digest = _build_plan(isa, kind)
+    unit, flags, folder, digest = _build_plan(isa)
     folder.mkdir(parents=True, exist_ok=True)
     cached = any(folder.glob("*.so"))
+    source = folder / "kernels.cpp"
+    if not source.is_file() or source.read_text() != unit:  # written only when it differs: ninja goes by its time
+        partial = folder / f"kernels.cpp.{os.getpid()}"
+        partial.write_text(unit)
+        partial.replace(source)
     cpp_extension.load(
-        name=f"{library}_{digest}",
+        name=f"tandem_kernels_{isa}_{digest}",
         sources=[str(source)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
@@ -297,7 +310,8 @@ def _build(isa: str, kind: str = "") -> str:
         is_python_module=False,
         verbose=False,
     )
-    return "loaded" if cached else "built"
+    _BUILT[isa] = "loaded" if cached else "built"
+    return _BUILT[isa]
 
 
 def _self_check(kernel: QuantKernel) -> str:

@@ -29,6 +29,9 @@
 #include <cstdint>
 #include <cstring>
 
+// Named, not only anonymous: tandem/quant/native.py builds this file in one translation unit with
+// others whose own vf / vi (vector_math.h) this file's must not shadow.
+namespace tandem_f32 {
 namespace {
 
 #if defined(__AVX512F__)
@@ -233,6 +236,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 int64_t vector_width() { return V; }
 
 }  // namespace
+}  // namespace tandem_f32
 
 #ifndef TANDEM_QUANT_LIBRARY
 #define TANDEM_QUANT_LIBRARY tandem_quant
@@ -246,5 +250,5 @@ TANDEM_DEF(TANDEM_QUANT_LIBRARY, m) {
   m.def("vector_width() -> int");
 }
 
-TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) { m.impl("qmatmul", &qmatmul); }
-TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CatchAll, m) { m.impl("vector_width", &vector_width); }
+TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) { m.impl("qmatmul", &tandem_f32::qmatmul); }
+TANDEM_IMPL(TANDEM_QUANT_LIBRARY, CatchAll, m) { m.impl("vector_width", &tandem_f32::vector_width); }
