@@ -119,7 +119,8 @@ def _converted_tokenizer(folder: Path) -> Path:
          "special": True},
         {"id": 7, "content": "<tool>", "single_word": False, "lstrip": True, "rstrip": False, "normalized": True,
          "special": False}]}))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", "pad_token": "<pad>"}))
+    config = {"tokenizer_class": "GemmaTokenizer", "pad_token": "<pad>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 

@@ -9,7 +9,17 @@ import torch
 
 from tandem.quant.gguf_blocks import READERS, to_quantized
 from tandem.quant.reference import dequantize
-from tandem.quant.tensor import ROWS, TILES, QuantizedTensor, from_tiles, pack, row_bytes, to_tiles, unpack, unsigned_bytes
+from tandem.quant.tensor import (
+    ROWS,
+    TILES,
+    QuantizedTensor,
+    from_tiles,
+    pack,
+    row_bytes,
+    to_tiles,
+    unpack,
+    unsigned_bytes,
+)
 from tiny import _random_k_blocks
 
 NUMPY_QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these itself

@@ -271,8 +271,8 @@ def _build_plan(isa: str) -> tuple[str, list[str], Path, str]:
     flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
     bundle = _bundle(isa)
     # Each source registers its ops under the library name it is given (its TANDEM_QUANT_LIBRARY).
-    unit = "".join(f'#define TANDEM_QUANT_LIBRARY {library}\n#include "{source.resolve()}"\n#undef TANDEM_QUANT_LIBRARY\n'
-                   for library, source in bundle.items())
+    unit = "".join(f'#define TANDEM_QUANT_LIBRARY {library}\n#include "{source.resolve()}"\n'
+                   "#undef TANDEM_QUANT_LIBRARY\n" for library, source in bundle.items())
     # The torch install and the sources' paths are part of the key: the build file names the torch
     # headers and the sources by path, so another install's (a second virtual environment) or another
     # checkout's would make ninja rebuild the folder at every switch between them.
