@@ -206,9 +206,12 @@ def _record_added_tokens(out: Path) -> None:
 
 
 def _added_tokens_missing(folder: Path) -> bool:
+    """Whether the config lacks the record. Every resolve asks, so it looks for the key in the text
+    rather than parsing the record's megabyte of JSON (a token spelling the key would only make the
+    load slower: the record is then not written)."""
     config_file = folder / "tokenizer_config.json"
     return (config_file.is_file() and (folder / "tokenizer.json").is_file()
-            and "added_tokens_decoder" not in json.loads(config_file.read_text(encoding="utf-8")))
+            and '"added_tokens_decoder"' not in config_file.read_text(encoding="utf-8"))
 
 
 def _write_added_tokens(folder: Path) -> None:
@@ -217,6 +220,8 @@ def _write_added_tokens(folder: Path) -> None:
         return
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
     added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
     config["added_tokens_decoder"] = {str(token["id"]): {k: v for k, v in token.items() if k != "id"}
                                       for token in added}
