@@ -133,7 +133,8 @@ class GrammarGuide:
             if tokenizer_fingerprint(tokenizer) != self._target.tokenizer_fingerprint:
                 log.warning("constrained sessions draft unguided: the tokenizer of %r is not the target's", self._spec)
                 return
-            compiler = GrammarCompiler(tokenizer, self._target.vocab_size, self._target.eos_token_ids)
+            compiler = GrammarCompiler(tokenizer, self._target.vocab_size, self._target.eos_token_ids,
+                                       self._target.tokenizer_fingerprint)
             compiler.prepare()
         except Exception:  # noqa: BLE001 (guidance is an optimisation: say why and draft unguided)
             log.exception("constrained sessions draft unguided: the grammar compiler failed to load")

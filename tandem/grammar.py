@@ -12,12 +12,16 @@ committed tokens only, and whatever is tried ahead of them is rolled back.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tandem.rpc.types import Grammar, GrammarKind
@@ -67,15 +71,18 @@ def _reason(error: Exception) -> str:
 class GrammarCompiler:
     """Compiles grammars against one tokenizer; thread-safe.
 
-    The tokenizer's table (about a second for a vocabulary of 262k) is built at the first grammar;
-    compiled grammars are cached by xgrammar (up to :data:`CACHE_BYTES`), so a grammar seen before
-    costs a lookup.
+    The tokenizer's table (about a second for a vocabulary of 262k) is made at the first grammar,
+    read from :func:`tokenizer_table`'s cache when ``fingerprint`` (``tandem.models.
+    tokenizer_fingerprint`` of ``tokenizer``) is given; compiled grammars are cached by xgrammar (up
+    to :data:`CACHE_BYTES`), so a grammar seen before costs a lookup.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 fingerprint: str | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
+        self._fingerprint = fingerprint
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -113,10 +120,50 @@ class GrammarCompiler:
                 import xgrammar
 
                 started = time.perf_counter()
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos
-                )
+                info = tokenizer_table(self._tokenizer, self.vocab_size, self._eos, self._fingerprint)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
                 log.info("grammar compiler ready in %.2f s (vocabulary %d)", time.perf_counter() - started,
                          self.vocab_size)
             return self._compiler
+
+
+def tokenizer_table(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], fingerprint: str | None) -> Any:
+    """xgrammar's table of ``tokenizer`` (an ``xgrammar.TokenizerInfo``): read from the cache folder
+    ``grammar-tables`` of ``tandem.models.cache_dir()`` where an earlier process saved it, else made
+    (most of it Python walking the vocabulary: about a second at 262k ids, on every start of a
+    target) and saved there. Without ``fingerprint`` it is made and not saved.
+
+    The file's name hashes all that the table is made from: the tokenizer's fingerprint (vocabulary
+    and special ids), its normalizer, pre-tokenizer and decoder (which decide how xgrammar decodes
+    each token), ``vocab_size``, the stop ids and xgrammar's version; a file that fails to load is
+    made again. A cache that cannot be written is only logged."""
+    import xgrammar
+
+    def made() -> Any:
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids))
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if fingerprint is None or backend is None:
+        return made()
+    from tandem.models import cache_dir
+
+    parts = [getattr(backend, part) for part in ("normalizer", "pre_tokenizer", "decoder")]
+    key = json.dumps([fingerprint, vocab_size, sorted(set(eos_token_ids)), importlib.metadata.version("xgrammar"),
+                      *[None if part is None else part.__getstate__().decode("utf-8", "replace") for part in parts]])
+    path = cache_dir() / "grammar-tables" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    if path.is_file():
+        try:
+            return xgrammar.TokenizerInfo.deserialize_json(path.read_text(encoding="utf-8"))
+        except Exception as error:  # noqa: BLE001 (a damaged or foreign file: make the table again)
+            log.warning("grammar table %s does not load (%s): making it again", path, _reason(error))
+    info = made()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(info.serialize_json(), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        log.info("grammar table not cached (%s): the next start makes it again", error)
+    return info

@@ -123,7 +123,8 @@ class TargetEngine:
             prefix_cache=PrefixCache(budget_tokens // BUDGET_SHARE or DEFAULT_POSITIONS) if prefix_cache else None,
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
-        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids)
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids,
+                                 self.info.tokenizer_fingerprint)
         self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
         self._report_live(0)
 

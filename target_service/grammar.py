@@ -37,8 +37,9 @@ MaskRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Grammars:
     """The target's grammar compiler (``tandem.grammar``), its refusals as InvalidArgument."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 fingerprint: str | None = None) -> None:
+        self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, fingerprint)
         self.vocab_size = vocab_size
 
     def prepare(self) -> None:
