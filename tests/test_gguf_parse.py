@@ -1,4 +1,5 @@
-"""The quick GGUF parse a conversion uses reads exactly what gguf-py's reader reads."""
+"""The quick GGUF parse a conversion uses reads exactly what gguf-py's reader reads (and the tensor
+names' table it shares is the one gguf-py makes)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,12 @@ def test_within_one_parse_a_file_is_read_once_and_metadata_handed_out_as_copies(
     loads = []
     monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint",
                         lambda p, return_tensors=False, **kw: loads.append(return_tensors) or {"config": {"n": [1]}})
-    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    real_reader, real_load, real_name_map = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
     with one_gguf_parse():
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)  # transformers asks once per module
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+        assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not names
         first = gguf.GGUFReader(str(path))
         assert gguf.GGUFReader(str(tmp_path / "." / "every-kind.gguf")) is first  # one reader per file
         given = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)
@@ -68,7 +73,8 @@ def test_within_one_parse_a_file_is_read_once_and_metadata_handed_out_as_copies(
         assert hf_gguf.load_gguf_checkpoint(str(path))["config"] == {"n": [1]}
         hf_gguf.load_gguf_checkpoint(str(path), return_tensors=True)  # the weights: read, not cached
     assert loads == [False, True]
-    assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == (real_reader, real_load)
+    assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map) == (
+        real_reader, real_load, real_name_map)
 
 
 @pytest.mark.parametrize("broken", [b"", b"GGUF\x63\x00\x00\x00"])

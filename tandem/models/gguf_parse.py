@@ -11,7 +11,10 @@ a user's first start on a GGUF file, take most of a minute. Within :func:`one_gg
   same bytes, but slicing skips ``np.memmap``'s Python-level ``__getitem__`` and
   ``__array_finalize__``, which cost about two thirds of a parse;
 - transformers' metadata-only reading of a file (``load_gguf_checkpoint(path,
-  return_tensors=False)``, the tokenizer's and the config's) is made once and handed out as copies.
+  return_tensors=False)``, the tokenizer's and the config's) is made once and handed out as copies;
+- gguf-py's table of tensor names (``get_tensor_name_map``), which transformers builds again for
+  every module of the model while it maps the file's tensors to the model's (313 times for
+  gemma-3-270m, 3 s of a conversion), is built once per architecture and depth.
 
 Invariant: what transformers reads is unchanged (the same fields, parts and tensors, byte for
 byte), so the converted checkpoint is the same as without it; tests compare the two.
@@ -77,7 +80,7 @@ def one_gguf_parse() -> Iterator[None]:
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    real_reader, real_load, real_name_map = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
     reader_type = plain_view_reader()
     readers: dict[tuple[str, str], Any] = {}
     metadata: dict[str, dict] = {}
@@ -96,8 +99,10 @@ def one_gguf_parse() -> Iterator[None]:
             metadata[key] = real_load(path, False)
         return copy.deepcopy(metadata[key])  # callers may change what they are given
 
+    # (transformers only looks names up in the table, so one table serves every module)
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, load_once
+    gguf.get_tensor_name_map = functools.cache(real_name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real_reader, real_load
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map = real_reader, real_load, real_name_map

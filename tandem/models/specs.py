@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ EAGLE_DRAFT = "eagle"
 EAGLE_CONFIG_FILE = "eagle.json"  # = tandem.models.eagle.CONFIG_FILE (not imported: that pulls in torch)
 # ``ngram+eagle`` (or ``ngram+HEAD_DIR``): prompt lookup first, the eagle head where it finds no match.
 NGRAM_FIRST_PREFIX = "ngram+"
+# An added token's fields in a tokenizer.json and in tokenizer_config.json's added_tokens_decoder.
+ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 # The default draft: ``ngram+eagle`` for a target tandem ships an eagle head for, else ``ngram``.
 AUTO_DRAFT = "auto"
 # Draft specs that are names rather than model SPECs ``resolve`` could load.
@@ -214,15 +217,21 @@ def _added_tokens_missing(folder: Path) -> bool:
             and '"added_tokens_decoder"' not in config_file.read_text(encoding="utf-8"))
 
 
-def _write_added_tokens(folder: Path) -> None:
-    """:func:`_record_added_tokens`'s write (the caller holds the folder's lock or owns it)."""
+def _write_added_tokens(folder: Path, saved: Any = None) -> None:
+    """:func:`_record_added_tokens`'s write (the caller holds the folder's lock or owns it); the
+    tokens are read from ``saved``, the tokenizer the folder was saved from, where it is given (a
+    conversion: no second parse of its ``tokenizer.json``)."""
     if not _added_tokens_missing(folder):
         return
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     if "added_tokens_decoder" in config:
         return
-    added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    if saved is not None:  # the fields in tokenizer.json's order
+        added = [{"id": i, **{f: getattr(token, f) for f in ADDED_TOKEN_FIELDS}}
+                 for i, token in sorted(saved.backend_tokenizer.get_added_tokens_decoder().items())]
+    else:
+        added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
     config["added_tokens_decoder"] = {str(token["id"]): {k: v for k, v in token.items() if k != "id"}
                                       for token in added}
     tmp = config_file.with_name(f"{config_file.name}.tmp{os.getpid()}")
@@ -252,7 +261,7 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _write_added_tokens(tmp)
+    _write_added_tokens(tmp, tokenizer)
     (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
