@@ -9,7 +9,7 @@ Ports (deterministic): target i (0-based) serves gRPC on ``target_port + 2*i`` a
 the defaults (target 50053, draft 50052, metrics 9053 / 9052) targets get 50053, 50055, ... and
 drafts 50052, 50054, ..., clear of each other and of the gateway's 50051 gRPC / 8000 HTTP. A
 configuration in which two children would share a port is refused before anything starts
-(:class:`FleetError`).
+(:class:`FleetError`), and so is a port another process holds (:func:`check_ports_free`).
 
 Port 0: a gRPC or HTTP port of 0 means "any free port". The supervisor must know each port to
 health-check the child and tell the others where it is, so it picks a distinct free port per child
@@ -33,7 +33,7 @@ MAX_PORT = 65535
 
 
 class FleetError(ValueError):
-    """A fleet that cannot start: two children on one port, a port out of range."""
+    """A fleet that cannot start: two children on one port, a port out of range or held by another process."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,36 @@ def check_ports(wanted: list[tuple[str, int]], targets: int, drafts: int) -> Non
         if port and port in owner:
             raise FleetError(f"port {port} would be used twice: by {owner[port]} and {label}{hint}")
         owner.setdefault(port, label)
+
+
+def check_ports_free(f: Fleet, host: str) -> None:
+    """Refuses a fleet one of whose ports another process holds now, before any child starts: each
+    child would otherwise load its model and only then fail to bind (gRPC servers here do not share
+    a port, see ``tandem.rpc.endpoints``). A host this machine cannot bind is left to the children."""
+    import errno
+
+    flags = {"target": ("--target-port", "--target-metrics-port"), "draft": ("--draft-port", "--draft-metrics-port")}
+    ports = [("the gateway's HTTP", "--http-port", f.http_port), ("the gateway's gRPC", "--grpc-port", f.grpc_port)]
+    for role, members in (("target", f.targets), ("draft", f.drafts)):
+        for m in members:
+            ports += [(f"{m.name}'s gRPC", flags[role][0], m.port), (f"{m.name}'s metrics", flags[role][1], m.metrics_port)]
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    for label, flag, port in ports:
+        if not port:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: past connections do not count
+            try:
+                sock.bind((bind_host, port))
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise FleetError(f"port {port} ({label}, {flag}) is in use by another process on {bind_host}: "
+                                     f"stop it, or choose another port with {flag}") from None
+                if error.errno == errno.EACCES:
+                    raise FleetError(f"port {port} ({label}, {flag}) needs privileges this user lacks on "
+                                     f"{bind_host}: choose a port above 1023 with {flag}") from None
+                return  # a host this machine cannot bind: the children will say so
 
 
 def free_ports(host: str, count: int, avoid: set[int]) -> list[int]:

@@ -214,6 +214,7 @@ class Supervisor:
 def serve(settings: ServeSettings) -> int:
     try:
         supervisor = Supervisor(settings)
+        fleet.check_ports_free(supervisor.fleet, settings.host)
     except FleetError as refused:
         log.error("tandem serve: %s", refused)
         print(f"tandem serve: {refused}", file=sys.stderr, flush=True)

@@ -178,3 +178,29 @@ def test_needs_conversion_says_whether_a_spec_converts_without_converting(monkey
     assert not specs.needs_conversion("gemma-3-270m") and not specs.needs_conversion(str(gguf))
     assert not specs.needs_conversion(str(tmp_path))  # a checkpoint folder converts nothing
 
+
+
+
+@pytest.mark.parametrize("held", ["http_port", "target_metrics_port", "draft_port"])
+def test_a_port_another_process_holds_stops_serve_at_once_with_its_flag(held: str, monkeypatch, capsys) -> None:
+    """Refused before any model is prepared or child started, in one line naming the port and its flag."""
+    import socket
+
+    from tandem import supervisor
+    from tandem.tools.bench.stack import free_ports
+
+    names = ("http_port", "grpc_port", "target_port", "draft_port", "target_metrics_port", "draft_metrics_port")
+    ports = dict(zip(names, free_ports(len(names))))
+    monkeypatch.setattr(Supervisor, "prepare_models", lambda self: pytest.fail("nothing should be prepared"))
+    monkeypatch.setattr(Supervisor, "start", lambda self: pytest.fail("no child should start"))
+    with socket.socket() as other:  # another program's server
+        other.bind(("127.0.0.1", ports[held]))
+        other.listen()
+        assert supervisor.serve(ServeSettings(**ports)) == 2
+    flag = "--" + held.replace("_", "-")
+    error = capsys.readouterr().err
+    assert f"port {ports[held]} (" in error and f"{flag}) is in use by another process" in error, error
+    # Freed, the same ports pass the check (a closed server's connections do not count).
+    monkeypatch.setattr(Supervisor, "prepare_models", lambda self: self.request_stop())
+    monkeypatch.setattr(Supervisor, "start", lambda self: None)
+    assert supervisor.serve(ServeSettings(**ports)) == 0
