@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         from draft_service.main import run
     else:
         from gateway.main import run
-    run(settings)
+    from tandem.models.specs import ModelSpecError
+
+    try:
+        run(settings)
+    except ModelSpecError as refused:  # a model SPEC that names nothing loadable: one line, not a traceback
+        print(f"tandem {args.command}: {refused}", file=sys.stderr, flush=True)
+        _exit_now(2)
     _exit_now(0)
 
 

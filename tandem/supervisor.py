@@ -127,7 +127,11 @@ class Supervisor:
                 continue  # no model of its own (an eagle head reads the target's, prepared above)
             started = time.monotonic()
             log.info("preparing %s model %s (the first start converts a GGUF once)", role, spec)
-            resolved = models.resolve(spec)
+            try:
+                resolved = models.resolve(spec)
+            except models.ModelSpecError as error:
+                drafts = f"; or a draft: {', '.join(models.DRAFT_NAMES)}, an eagle head directory" if role == "draft" else ""
+                raise models.ModelSpecError(f"--{role}-model: {error}{drafts}") from None
             log.info("%s model ready in %s (%.1fs)", role, resolved.hf_dir, time.monotonic() - started)
         if prebuild is not None:
             prebuild.wait()
@@ -222,7 +226,12 @@ def serve(settings: ServeSettings) -> int:
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
     try:
-        supervisor.prepare_models()
+        try:
+            supervisor.prepare_models()
+        except models.ModelSpecError as refused:
+            log.error("tandem serve: %s", refused)
+            print(f"tandem serve: {refused}", file=sys.stderr, flush=True)
+            return 2
         supervisor.start()
         if not supervisor.wait_ready():
             return 1

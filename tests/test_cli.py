@@ -187,3 +187,15 @@ def test_the_ready_block_lists_every_target_and_draft() -> None:
     single = config.ServeSettings()
     assert fleet.read_ready_block(fleet.ready_block(single, fleet.plan(single))) == {
         "http": "127.0.0.1:8000", "gateway": "127.0.0.1:50051", "draft": "127.0.0.1:50052", "target": "127.0.0.1:50053"}
+
+
+def test_a_service_given_a_model_that_names_nothing_exits_with_one_line() -> None:
+    """``tandem target`` binds its port, then loads the model: a SPEC naming nothing ends it with
+    the reason and exit code 2, not a traceback (gateway and draft alike, through tandem.cli)."""
+    from tandem.tools.bench.stack import free_port
+
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "target", "--target-model", "google/gemma-3-270m",
+                           "--port", str(free_port()), "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "tandem target: model spec 'google/gemma-3-270m' is not a folder or file here" in done.stderr

@@ -204,3 +204,19 @@ def test_a_port_another_process_holds_stops_serve_at_once_with_its_flag(held: st
     monkeypatch.setattr(Supervisor, "prepare_models", lambda self: self.request_stop())
     monkeypatch.setattr(Supervisor, "start", lambda self: None)
     assert supervisor.serve(ServeSettings(**ports)) == 0
+
+
+@pytest.mark.parametrize("flag, spec, message", [
+    ("target_model", "google/gemma-3-270m", "--target-model: model spec 'google/gemma-3-270m' is not a folder or file here"),
+    ("draft_model", "eagel", "--draft-model: model spec 'eagel' is neither"),
+])
+def test_a_model_spec_that_names_nothing_stops_serve_in_one_line(flag, spec, message, monkeypatch, capsys) -> None:
+    from tandem import supervisor
+    from tandem.tools.bench.stack import free_ports
+
+    names = ("http_port", "grpc_port", "target_port", "draft_port", "target_metrics_port", "draft_metrics_port")
+    ports = dict(zip(names, free_ports(len(names))))
+    monkeypatch.setattr(Supervisor, "start", lambda self: pytest.fail("no child should start"))
+    assert supervisor.serve(ServeSettings(**ports, **{flag: spec})) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error, error

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ EAGLE_DRAFT = "eagle"
 EAGLE_CONFIG_FILE = "eagle.json"  # = tandem.models.eagle.CONFIG_FILE (not imported: that pulls in torch)
 # ``ngram+eagle`` (or ``ngram+HEAD_DIR``): prompt lookup first, the eagle head where it finds no match.
 NGRAM_FIRST_PREFIX = "ngram+"
+# What a Hugging Face Hub model id looks like ("google/gemma-3-270m"): a SPEC that is not a path here.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # An added token's fields in a tokenizer.json and in tokenizer_config.json's added_tokens_decoder.
 ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 # The default draft: ``ngram+eagle`` for a target tandem ships an eagle head for, else ``ngram``.
@@ -116,6 +119,14 @@ def resolve(spec: str) -> ResolvedSpec:
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedSpec(spec, name, _gguf_hf_dir(path), path)
     known = ", ".join(sorted(BUILTIN_MODELS))
+    if path.suffix == ".gguf" and not path.exists():
+        raise ModelSpecError(f"model file {path} does not exist (built-in models: {known})")
+    if HUB_ID.fullmatch(spec) and not path.exists():
+        raise ModelSpecError(
+            f"model spec {spec!r} is not a folder or file here, and tandem does not download models: fetch it "
+            f"first (`hf download {spec} --local-dir DIR`, or a .gguf file of it) and pass that path "
+            f"(built-in models: {known})"
+        )
     raise ModelSpecError(
         f"model spec {spec!r} is neither a Hugging Face checkpoint directory, a .gguf file, "
         f"nor a built-in name ({known})"
