@@ -78,11 +78,14 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 fingerprint: str | None = None) -> None:
+                 fingerprint: str | None = None, backend: str | None = None) -> None:
+        """``tokenizer``: the tokenizer or a ``TokenizerLoader`` of it; ``fingerprint`` and
+        ``backend``: :func:`tokenizer_table`'s."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._fingerprint = fingerprint
+        self._backend = backend
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -120,37 +123,55 @@ class GrammarCompiler:
                 import xgrammar
 
                 started = time.perf_counter()
-                info = tokenizer_table(self._tokenizer, self.vocab_size, self._eos, self._fingerprint)
+                info = tokenizer_table(self._tokenizer, self.vocab_size, self._eos, self._fingerprint, self._backend)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
                 log.info("grammar compiler ready in %.2f s (vocabulary %d)", time.perf_counter() - started,
                          self.vocab_size)
             return self._compiler
 
 
-def tokenizer_table(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], fingerprint: str | None) -> Any:
+def backend_parts(tokenizer: Any) -> str | None:
+    """How ``tokenizer`` turns ids into text beyond its vocabulary (its normalizer, pre-tokenizer
+    and decoder, which decide how xgrammar decodes each token), as text for a table's key; None for a
+    tokenizer without a ``tokenizers`` backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    parts = [getattr(backend, part) for part in ("normalizer", "pre_tokenizer", "decoder")]
+    return json.dumps([None if part is None else part.__getstate__().decode("utf-8", "replace") for part in parts])
+
+
+def tokenizer_table(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], fingerprint: str | None,
+                    backend: str | None = None) -> Any:
     """xgrammar's table of ``tokenizer`` (an ``xgrammar.TokenizerInfo``): read from the cache folder
     ``grammar-tables`` of ``tandem.models.cache_dir()`` where an earlier process saved it, else made
     (most of it Python walking the vocabulary: about a second at 262k ids, on every start of a
-    target) and saved there. Without ``fingerprint`` it is made and not saved.
+    target) and saved there. Without ``fingerprint`` it is made and not saved. ``tokenizer`` may be
+    a ``tandem.models.tokenizer_facts.TokenizerLoader``, loaded only where the table is made or
+    ``backend`` (:func:`backend_parts` of it) is not given.
 
     The file's name hashes all that the table is made from: the tokenizer's fingerprint (vocabulary
-    and special ids), its normalizer, pre-tokenizer and decoder (which decide how xgrammar decodes
-    each token), ``vocab_size``, the stop ids and xgrammar's version; a file that fails to load is
-    made again. A cache that cannot be written is only logged."""
+    and special ids), :func:`backend_parts`, ``vocab_size``, the stop ids and xgrammar's version; a
+    file that fails to load is made again. A cache that cannot be written is only logged."""
     import xgrammar
 
+    from tandem.models.tokenizer_facts import TokenizerLoader
+
+    def loaded() -> Any:
+        return tokenizer.get() if isinstance(tokenizer, TokenizerLoader) else tokenizer
+
     def made() -> Any:
-        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        return xgrammar.TokenizerInfo.from_huggingface(loaded(), vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and fingerprint is not None:
+        backend = backend_parts(loaded())
     if fingerprint is None or backend is None:
         return made()
     from tandem.models import cache_dir
 
-    parts = [getattr(backend, part) for part in ("normalizer", "pre_tokenizer", "decoder")]
     key = json.dumps([fingerprint, vocab_size, sorted(set(eos_token_ids)), importlib.metadata.version("xgrammar"),
-                      *[None if part is None else part.__getstate__().decode("utf-8", "replace") for part in parts]])
+                      backend])
     path = cache_dir() / "grammar-tables" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     if path.is_file():
         try:

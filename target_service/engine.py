@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.config import TargetSettings
 from tandem.models import LoadedModel, load_model
+from tandem.models.tokenizer_facts import TokenizerLoader, tokenizer_facts
 from tandem.pass_costs import PassCosts
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
@@ -103,7 +104,10 @@ class TargetEngine:
             self.runner.verifier.backend,
             "gemma_pass" if self.runner.lean else "the module tree",
         )
-        self.info = model_info.engine_info(loaded, max_context_len, self.runner.verifier.backend)
+        # The tokenizer is loaded only where its facts are not cached or a grammar table is made.
+        tokenizer = TokenizerLoader(loaded.hf_dir, loaded.tokenizer)
+        facts = tokenizer_facts(tokenizer)
+        self.info = model_info.engine_info(loaded, facts, max_context_len, self.runner.verifier.backend)
         text_config = loaded.model.config.get_text_config()
         per_position = kv_cache.bytes_per_position(text_config, next(self.runner.model.parameters()).dtype)
         budget_tokens = max(1, kv_cache_bytes // per_position) if kv_cache_bytes else 0  # 0: no budget
@@ -123,15 +127,16 @@ class TargetEngine:
             prefix_cache=PrefixCache(budget_tokens // BUDGET_SHARE or DEFAULT_POSITIONS) if prefix_cache else None,
         )
         self.planner = Planner(self.store, self.runner, self.info, metrics)
-        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.info.eos_token_ids,
-                                 self.info.tokenizer_fingerprint)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.info.eos_token_ids, facts.fingerprint,
+                                 facts.backend)
         self.pass_costs = PassCosts()  # seconds of a pass by its rows, every kind of call's
         self._report_live(0)
 
     @classmethod
     def from_settings(cls, settings: TargetSettings, metrics: Metrics | None = None) -> TargetEngine:
         """Loads ``settings.target_model`` (HF directory, .gguf or built-in name)."""
-        loaded = load_model(settings.target_model, settings.device, settings.dtype, settings.served_model_name)
+        loaded = load_model(settings.target_model, settings.device, settings.dtype, settings.served_model_name,
+                            with_tokenizer=False)
         if settings.kv_cache_memory_gb > 0:
             kv_cache_bytes = int(settings.kv_cache_memory_gb * 2**30)
         else:

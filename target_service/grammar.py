@@ -38,8 +38,9 @@ class Grammars:
     """The target's grammar compiler (``tandem.grammar``), its refusals as InvalidArgument."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 fingerprint: str | None = None) -> None:
-        self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, fingerprint)
+                 fingerprint: str | None = None, backend: str | None = None) -> None:
+        """``tokenizer``: the tokenizer or a ``TokenizerLoader`` (``tandem.grammar.GrammarCompiler``)."""
+        self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids, fingerprint, backend)
         self.vocab_size = vocab_size
 
     def prepare(self) -> None:

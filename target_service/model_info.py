@@ -9,23 +9,25 @@ from the target's is refused before it can reach a session.
 
 from __future__ import annotations
 
-from tandem.models import LoadedModel, tokenizer_fingerprint
+from tandem.models import LoadedModel
+from tandem.models.tokenizer_facts import TokenizerFacts
 from target_service.types import EngineInfo
 from target_service.errors import TokenizerMismatch
 
 
-def engine_info(loaded: LoadedModel, max_context_len: int, verifier_backend: str) -> EngineInfo:
+def engine_info(loaded: LoadedModel, tokenizer: TokenizerFacts, max_context_len: int,
+                verifier_backend: str) -> EngineInfo:
     """The target's description for ``Info`` (``max_context_len``: the configured limit, 0 = none)."""
     text_config = loaded.model.config.get_text_config()
     vocab_size = int(text_config.vocab_size)
     return EngineInfo(
         model_name=loaded.name,
         vocab_size=vocab_size,
-        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        tokenizer_fingerprint=tokenizer.fingerprint,
         dtype=loaded.weights,
         device=loaded.device,
         max_context_len=context_len(text_config, max_context_len),
-        eos_token_ids=eos_token_ids(loaded, vocab_size),
+        eos_token_ids=eos_token_ids(loaded, tokenizer.eos_token_id, vocab_size),
         hidden_size=int(text_config.hidden_size),
         verifier_backend=verifier_backend,
     )
@@ -59,11 +61,11 @@ def context_len(text_config, configured: int) -> int:
     return min(limits)
 
 
-def eos_token_ids(loaded: LoadedModel, vocab_size: int) -> tuple[int, ...]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+def eos_token_ids(loaded: LoadedModel, tokenizer_eos: int | None, vocab_size: int) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer's."""
     found: set[int] = set()
-    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
-        value = getattr(source, "eos_token_id", None)
+    sources = (getattr(loaded.model, "generation_config", None), loaded.model.config)
+    for value in [getattr(source, "eos_token_id", None) for source in sources] + [tokenizer_eos]:
         for token in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(token, int) and 0 <= token < vocab_size:
                 found.add(token)

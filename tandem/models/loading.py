@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     name: str
     model: Any  # transformers PreTrainedModel, in eval mode
-    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    tokenizer: Any  # transformers PreTrainedTokenizerBase; None where loaded without (load_model)
     hf_dir: Path
     dtype: str  # "float32", "bfloat16", "float16": what activations are computed in
     device: str  # "cpu", "cuda", "cuda:0", ...
@@ -55,12 +55,14 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(specs.resolve(spec).hf_dir))
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str | None = None,
+               with_tokenizer: bool = True) -> LoadedModel:
     """Loads a causal LM and its tokenizer from a SPEC, for inference.
 
     ``dtype="auto"`` on a CPU computes a GGUF model on its file's own quantized blocks, through the
     kernel the host's probe picks (``tandem.quant.native``: int8 activations with VNNI, else
-    float32); ``"float32"`` on their exact float32 dequantization."""
+    float32); ``"float32"`` on their exact float32 dequantization. ``with_tokenizer=False`` leaves
+    the tokenizer to load when needed (a target: ``tandem.models.tokenizer_facts``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,7 +72,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", name: str |
     resolved = specs.resolve(spec)
     device = pick_device(device)
     requested, dtype = dtype, pick_dtype(dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolved.hf_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.hf_dir)) if with_tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(
         str(resolved.hf_dir), dtype=getattr(torch, dtype)
     )
