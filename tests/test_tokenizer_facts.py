@@ -85,3 +85,14 @@ def test_a_target_restarted_serves_the_same_without_loading_its_tokenizer(tiny_g
     assert expected[0].tokenizer_fingerprint == fingerprint
     forbid_loading(monkeypatch)
     assert served(TargetEngine.from_settings(settings)) == expected
+
+
+def test_only_the_newest_records_are_kept(tiny_gemma_dir, cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(facts_module, "MAX_RECORDS", 2)
+    folders = [Path(shutil.copytree(tiny_gemma_dir, tmp_path / f"model-{i}")) for i in range(3)]
+    for folder in folders:
+        tokenizer_facts(TokenizerLoader(folder))
+    assert len(list((cache / "tokenizer-facts").iterdir())) == 2
+    forbid_loading(monkeypatch)
+    newest = TokenizerLoader(folders[2])
+    assert tokenizer_facts(newest).fingerprint and not newest.loaded  # its record kept: read, not loaded

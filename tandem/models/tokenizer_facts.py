@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "config.json",
                    "generation_config.json")
+MAX_RECORDS = 256  # records kept, newest first (each a few hundred bytes)
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,19 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(asdict(facts)), encoding="utf-8")
         tmp.replace(path)
+        _prune(path.parent)
     except OSError as error:
         tmp.unlink(missing_ok=True)
         log.info("tokenizer facts not cached (%s): the next start loads the tokenizer again", error)
     return facts
+
+
+def _prune(folder: Path) -> None:
+    """Keeps the :data:`MAX_RECORDS` newest records (a folder's records outlive it: checkpoints
+    moved, tests' temporary models)."""
+    records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for old in records[MAX_RECORDS:]:
+        old.unlink(missing_ok=True)
 
 
 def _facts_file(hf_dir: Path) -> Path:
