@@ -21,7 +21,6 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tandem.rpc.types import Grammar, GrammarKind
