@@ -130,7 +130,8 @@ def check_ports_free(f: Fleet, host: str) -> None:
     ports = [("the gateway's HTTP", "--http-port", f.http_port), ("the gateway's gRPC", "--grpc-port", f.grpc_port)]
     for role, members in (("target", f.targets), ("draft", f.drafts)):
         for m in members:
-            ports += [(f"{m.name}'s gRPC", flags[role][0], m.port), (f"{m.name}'s metrics", flags[role][1], m.metrics_port)]
+            ports += [(f"{m.name}'s gRPC", flags[role][0], m.port),
+                      (f"{m.name}'s metrics", flags[role][1], m.metrics_port)]
     bind_host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     for label, flag, port in ports:

@@ -130,7 +130,8 @@ class Supervisor:
             try:
                 resolved = models.resolve(spec)
             except models.ModelSpecError as error:
-                drafts = f"; or a draft: {', '.join(models.DRAFT_NAMES)}, an eagle head directory" if role == "draft" else ""
+                drafts = (f"; or a draft: {', '.join(models.DRAFT_NAMES)}, an eagle head directory"
+                          if role == "draft" else "")
                 raise models.ModelSpecError(f"--{role}-model: {error}{drafts}") from None
             log.info("%s model ready in %s (%.1fs)", role, resolved.hf_dir, time.monotonic() - started)
         if prebuild is not None:

@@ -23,7 +23,8 @@ def test_directory_spec_loads_and_names_the_folder(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("no-such-model", "neither a Hugging Face checkpoint"), ("/nonexistent/x.gguf", "model file /nonexistent/x.gguf does not exist"),
+    [("no-such-model", "neither a Hugging Face checkpoint"),
+     ("/nonexistent/x.gguf", "model file /nonexistent/x.gguf does not exist"),
      ("google/gemma-3-270m", "tandem does not download models: fetch it first [(]`hf download google/gemma-3-270m")],
 )
 def test_unknown_specs_are_refused_clearly(spec: str, message: str) -> None:

@@ -207,7 +207,8 @@ def test_a_port_another_process_holds_stops_serve_at_once_with_its_flag(held: st
 
 
 @pytest.mark.parametrize("flag, spec, message", [
-    ("target_model", "google/gemma-3-270m", "--target-model: model spec 'google/gemma-3-270m' is not a folder or file here"),
+    ("target_model", "google/gemma-3-270m",
+     "--target-model: model spec 'google/gemma-3-270m' is not a folder or file here"),
     ("draft_model", "eagel", "--draft-model: model spec 'eagel' is neither"),
 ])
 def test_a_model_spec_that_names_nothing_stops_serve_in_one_line(flag, spec, message, monkeypatch, capsys) -> None:
