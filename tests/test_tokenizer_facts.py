@@ -96,3 +96,12 @@ def test_only_the_newest_records_are_kept(tiny_gemma_dir, cache, tmp_path, monke
     forbid_loading(monkeypatch)
     newest = TokenizerLoader(folders[2])
     assert tokenizer_facts(newest).fingerprint and not newest.loaded  # its record kept: read, not loaded
+
+
+def test_a_cache_that_cannot_be_written_only_costs_the_tokenizer_load(tiny_gemma_dir, cache, caplog) -> None:
+    cache.mkdir(parents=True)
+    (cache / "tokenizer-facts").write_text("a file where the folder would be")  # unwritable, even for root
+    loader = TokenizerLoader(tiny_gemma_dir)
+    with caplog.at_level(logging.INFO, logger=facts_module.__name__):
+        assert tokenizer_facts(loader) == facts_of(loader.get())
+    assert "not cached" in caplog.text
