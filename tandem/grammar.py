@@ -12,6 +12,7 @@ committed tokens only, and whatever is tried ahead of them is rolled back.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -184,6 +185,7 @@ def tokenizer_table(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int
         tmp.write_text(info.serialize_json(), encoding="utf-8")
         tmp.replace(path)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (never made, or not removable either)
+            tmp.unlink()
         log.info("grammar table not cached (%s): the next start makes it again", error)
     return info

@@ -15,6 +15,7 @@ Invariant: the facts read are the ones :func:`facts_of` gives the tokenizer thos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -93,7 +94,8 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
         tmp.replace(path)
         _prune(path.parent)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (never made, or not removable either)
+            tmp.unlink()
         log.info("tokenizer facts not cached (%s): the next start loads the tokenizer again", error)
     return facts
 
