@@ -103,9 +103,10 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
 def _prune(folder: Path) -> None:
     """Keeps the :data:`MAX_RECORDS` newest records (a folder's records outlive it: checkpoints
     moved, tests' temporary models)."""
-    records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    records = sorted(folder.glob("*.json"), key=_mtime, reverse=True)
     for old in records[MAX_RECORDS:]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (another process's prune got there first)
+            old.unlink()
 
 
 def _facts_file(hf_dir: Path) -> Path:
@@ -120,3 +121,10 @@ def _facts_file(hf_dir: Path) -> Path:
     key = json.dumps([str(folder), files, importlib.metadata.version("transformers"),
                       importlib.metadata.version("tokenizers")])
     return specs.cache_dir() / "tokenizer-facts" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:  # removed meanwhile
+        return 0
