@@ -13,8 +13,8 @@ a user's first start on a GGUF file, take most of a minute. Within :func:`one_gg
 - transformers' metadata-only reading of a file (``load_gguf_checkpoint(path,
   return_tensors=False)``, the tokenizer's and the config's) is made once and handed out as copies;
 - gguf-py's table of tensor names (``get_tensor_name_map``), which transformers builds again for
-  every module of the model while it maps the file's tensors to the model's (313 times for
-  gemma-3-270m, 3 s of a conversion), is built once per architecture and depth.
+  every module of the model while it maps the file's tensors to the model's (gemma-3-270m has 313),
+  is built once per architecture and depth.
 
 Invariant: what transformers reads is unchanged (the same fields, parts and tensors, byte for
 byte), so the converted checkpoint is the same as without it; tests compare the two.

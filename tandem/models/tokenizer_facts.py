@@ -3,8 +3,8 @@
 A target uses its tokenizer for three facts only: the fingerprint callers are checked against
 (``tokenizer_fingerprint``), its end-of-sequence id, and how its tokens decode (the key of the
 grammar compiler's table, ``tandem.grammar.backend_parts``); the table itself is cached by that key.
-Loading gemma-3-270m's tokenizer takes two seconds of every start and 300 MB of the target's memory
-for good. So the facts are saved under ``cache_dir()/tokenizer-facts``, in a file named by a hash
+Loading a large vocabulary's tokenizer takes seconds of every start and keeps hundreds of MB of the
+target's memory (figures: docs/target.md#the-targets-tokenizer). So the facts are saved under ``cache_dir()/tokenizer-facts``, in a file named by a hash
 of the checkpoint folder, the name, size and modification time of each of its tokenizer files, and
 the transformers and tokenizers versions; a target reads them from there and loads the tokenizer
 (:class:`TokenizerLoader`) only when a grammar's table must be made.
