@@ -4,10 +4,11 @@ A target uses its tokenizer for three facts only: the fingerprint callers are ch
 (``tokenizer_fingerprint``), its end-of-sequence id, and how its tokens decode (the key of the
 grammar compiler's table, ``tandem.grammar.backend_parts``); the table itself is cached by that key.
 Loading a large vocabulary's tokenizer takes seconds of every start and keeps hundreds of MB of the
-target's memory (figures: docs/target.md#the-targets-tokenizer). So the facts are saved under ``cache_dir()/tokenizer-facts``, in a file named by a hash
-of the checkpoint folder, the name, size and modification time of each of its tokenizer files, and
-the transformers and tokenizers versions; a target reads them from there and loads the tokenizer
-(:class:`TokenizerLoader`) only when a grammar's table must be made.
+target's memory (figures: docs/target.md#the-targets-tokenizer). So the facts are saved under
+``cache_dir()/tokenizer-facts``, in a file named by a hash of the checkpoint folder, the name, size
+and modification time of each of its tokenizer files, and the transformers and tokenizers
+versions; a target reads them from there and loads the tokenizer (:class:`TokenizerLoader`) only
+when a grammar's table must be made.
 
 Invariant: the facts read are the ones :func:`facts_of` gives the tokenizer those files load now
 (a file changed, added or removed, or another version reading them, names another cache file).
@@ -80,12 +81,10 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
     cached (it need not be its folder's). A cache that cannot be written is only logged."""
     if loader.loaded:
         return facts_of(loader.get())
+    facts = cached_facts(loader.hf_dir)
+    if facts is not None:
+        return facts
     path = _facts_file(loader.hf_dir)
-    if path.is_file():
-        try:
-            return TokenizerFacts(**json.loads(path.read_text(encoding="utf-8")))
-        except (ValueError, TypeError) as error:  # a damaged or foreign file: from the tokenizer again
-            log.warning("tokenizer facts %s do not load (%s): reading the tokenizer", path, error)
     facts = facts_of(loader.get())
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
@@ -107,6 +106,19 @@ def _prune(folder: Path) -> None:
     for old in records[MAX_RECORDS:]:
         with contextlib.suppress(OSError):  # (another process's prune got there first)
             old.unlink()
+
+
+def cached_facts(hf_dir: Path) -> TokenizerFacts | None:
+    """The facts of the tokenizer in ``hf_dir`` where a record of them is cached, else None (nothing
+    is loaded)."""
+    path = _facts_file(hf_dir)
+    if not path.is_file():
+        return None
+    try:
+        return TokenizerFacts(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as error:  # a damaged or foreign file: from the tokenizer again
+        log.warning("tokenizer facts %s do not load (%s): reading the tokenizer", path, error)
+        return None
 
 
 def _facts_file(hf_dir: Path) -> Path:
