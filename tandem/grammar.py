@@ -12,18 +12,17 @@ committed tokens only, and whatever is tried ahead of them is rolled back.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import re
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.files import atomic_write_text
 from tandem.rpc.types import Grammar, GrammarKind
 
 log = logging.getLogger(__name__)
@@ -179,13 +178,8 @@ def tokenizer_table(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int
         except Exception as error:  # noqa: BLE001 (a damaged or foreign file: make the table again)
             log.warning("grammar table %s does not load (%s): making it again", path, _reason(error))
     info = made()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(info.serialize_json(), encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_text(path, info.serialize_json())
     except OSError as error:
-        with contextlib.suppress(OSError):  # (never made, or not removable either)
-            tmp.unlink()
         log.info("grammar table not cached (%s): the next start makes it again", error)
     return info

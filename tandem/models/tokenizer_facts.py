@@ -21,12 +21,12 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.files import atomic_write_text
 from tandem.models import specs
 
 log = logging.getLogger(__name__)
@@ -86,15 +86,10 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
         return facts
     path = _facts_file(loader.hf_dir)
     facts = facts_of(loader.get())
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(asdict(facts)), encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(asdict(facts)))
         _prune(path.parent)
     except OSError as error:
-        with contextlib.suppress(OSError):  # (never made, or not removable either)
-            tmp.unlink()
         log.info("tokenizer facts not cached (%s): the next start loads the tokenizer again", error)
     return facts
 

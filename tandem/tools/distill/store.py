@@ -25,14 +25,10 @@ from pathlib import Path
 
 import torch
 
+from tandem.files import atomic_write_text
+
 SOURCES = ("generated", "stdlib", "pydoc", "json")
 MANIFEST = "manifest.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

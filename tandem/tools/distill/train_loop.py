@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tandem.tools.distill.store import atomic_save_tensors, atomic_write_text
+from tandem.files import atomic_write_text
+from tandem.tools.distill.store import atomic_save_tensors
 
 POINTER = "checkpoint.json"
 
