@@ -81,10 +81,10 @@ def tokenizer_facts(loader: TokenizerLoader) -> TokenizerFacts:
     cached (it need not be its folder's). A cache that cannot be written is only logged."""
     if loader.loaded:
         return facts_of(loader.get())
-    facts = cached_facts(loader.hf_dir)
-    if facts is not None:
-        return facts
     path = _facts_file(loader.hf_dir)
+    recorded = _read_record(path)
+    if recorded is not None:
+        return recorded
     facts = facts_of(loader.get())
     try:
         atomic_write_text(path, json.dumps(asdict(facts)))
@@ -103,10 +103,8 @@ def _prune(folder: Path) -> None:
             old.unlink()
 
 
-def cached_facts(hf_dir: Path) -> TokenizerFacts | None:
-    """The facts of the tokenizer in ``hf_dir`` where a record of them is cached, else None (nothing
-    is loaded)."""
-    path = _facts_file(hf_dir)
+def _read_record(path: Path) -> TokenizerFacts | None:
+    """The facts recorded at ``path``, else None (no record, or one that does not load)."""
     if not path.is_file():
         return None
     try:
