@@ -55,6 +55,9 @@ CLIENT_CLOSED_REQUEST = 499
 
 # The GenAI semantic-convention operation of each endpoint (gen_ai.operation.name).
 _OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+# What a client that asked for another route (embeddings, images, audio, ...) is told (docs/api.md).
+ROUTES = ("this server serves POST /v1/chat/completions, /v1/completions, /v1/responses, /tokenize, /detokenize "
+          "and GET /v1/models, /health, /metrics")
 
 
 def error_response(error: GatewayError) -> JSONResponse:
@@ -108,7 +111,10 @@ def create_app(core: GatewayCore) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = openai_error(str(exc.detail), error_type, code=str(exc.status_code))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):  # the router's own
+            message = f"{request.method} {request.url.path} is not served here; {ROUTES}"
+        body = openai_error(message, error_type, code=str(exc.status_code))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=keyed)

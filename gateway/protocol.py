@@ -3,20 +3,17 @@
 Request models check *types* strictly (``"5"`` is not an integer, ``1`` is not a boolean), which
 is what turns wrong types into a 400; *values* are checked by :mod:`gateway.validation`, shared
 with gRPC, so ``to_fields()`` only reshapes. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, but OpenAI features tandem does not implement (``suffix``, ``best_of``) are
-refused explicitly rather than silently ignored: a client that asks for something and gets less
-back has lost what it asked for. Tool calls are made through structured output (:mod:`gateway.tools`).
-
-``response_format`` (structured output) takes OpenAI's ``text``, ``json_object`` and
-``json_schema``, and two of tandem's own, ``{"type": "regex", "regex": ...}`` and ``{"type":
-"grammar", "grammar": ...}`` (EBNF in GBNF notation, rule ``root``), on both endpoints.
+servers commonly do, but features tandem does not implement (``suffix``, ``best_of``, and the
+fields and content parts :mod:`gateway.unsupported` lists) are refused explicitly rather than
+silently ignored: a client that asks for something and gets less back has lost what it asked for.
+Tool calls are made through structured output (:mod:`gateway.tools`), which ``response_format``
+asks for (:mod:`gateway.response_format`).
 
 Response models mirror OpenAI's objects; the usage object adds ``speculative_decoding``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Literal
 
@@ -24,9 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
+from gateway.response_format import ResponseFormat
 from gateway.tools import NamedToolChoice, ToolCall, ToolCallDelta, ToolCallIn, ToolDef, tool_calling
+from gateway.unsupported import refuse_part, refuse_unsupported
 from gateway.validation import PromptInput, RequestFields
-from tandem.rpc.types import MAX_TOP_LOGPROBS, Grammar, GrammarKind
+from tandem.rpc.types import MAX_TOP_LOGPROBS
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -44,26 +43,32 @@ class TextContentPart(_StrictBody):
     text: str
 
 
+class ContentPart(_StrictBody):
+    type: str  # "text"; any other kind (an image, audio, a file) is refused by name
+    text: str | None = None
+
+
 class ChatMessageIn(_StrictBody):
     role: str
     # A string, or OpenAI's list of content parts (text parts only: tandem serves text models).
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_message(self, where: str = "messages") -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        if isinstance(self.content, str):
+            content = self.content
+        else:
+            for j, part in enumerate(self.content or ()):
+                if part.type != "text":
+                    raise refuse_part(part.type, f"{where}.content[{j}]")
+                if part.text is None:
+                    raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text",
+                                         param=f"{where}.content[{j}].text")
+            content = "".join(p.text or "" for p in self.content or ())
         calls = tuple(call.made(f"{where}.tool_calls[{i}]") for i, call in enumerate(self.tool_calls or ()))
         return ChatMessage(self.role, content, calls, self.tool_call_id)
-
-
-class JsonSchemaFormat(_StrictBody):
-    name: str | None = None
-    description: str | None = None
-    # A JSON Schema document (``schema`` on the wire; the name would shadow pydantic's own).
-    json_schema: dict | bool | None = Field(None, alias="schema")
-    strict: bool | None = None  # the schema is followed exactly either way
 
 
 class PredictedOutput(_StrictBody):
@@ -74,36 +79,6 @@ class PredictedOutput(_StrictBody):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ResponseFormat(_StrictBody):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-    regex: str | None = None  # tandem's: for "type": "regex"
-    grammar: str | None = None  # tandem's: for "type": "grammar"
-
-    def to_grammar(self) -> Grammar | None:
-        """The grammar the output must match (None: free text)."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":  # any JSON object
-            return Grammar(GrammarKind.JSON_SCHEMA, '{"type": "object"}')
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise InvalidRequest('response_format "json_schema" needs its json_schema object',
-                                     param="response_format")
-            schema = {} if self.json_schema.json_schema is None else self.json_schema.json_schema  # {}: any JSON
-            return Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema))
-        if self.type in ("regex", "grammar"):
-            spec = self.regex if self.type == "regex" else self.grammar
-            if not spec:
-                raise InvalidRequest(f'response_format "{self.type}" needs its {self.type} string',
-                                     param="response_format")
-            return Grammar(GrammarKind.REGEX if self.type == "regex" else GrammarKind.EBNF, spec)
-        raise InvalidRequest(
-            f"response_format type {self.type!r} is not one of text, json_object, json_schema, regex, grammar",
-            param="response_format",
-        )
 
 
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -120,6 +95,9 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class _GenerationBody(_StrictBody):
+    # Extra fields are kept so that the ones asking for what tandem does not do are refused by name.
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -149,6 +127,7 @@ class _GenerationBody(_StrictBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_fields(self, max_tokens: int | None) -> RequestFields:
+        refuse_unsupported(self.model_extra)
         return RequestFields(
             prediction=None if self.prediction is None else self.prediction.text(),
             logit_bias=_token_keys(self.logit_bias),

@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.chat_template import ChatMessage, ToolCallMade
 from gateway.errors import InvalidRequest
-from gateway.protocol import ResponseFormat
+from gateway.response_format import ResponseFormat
 from gateway.tools import NamedToolChoice, ToolDef, tool_calling
+from gateway.unsupported import refuse_part, refuse_tool, refuse_unsupported
 from gateway.validation import RequestFields
 from tandem.rpc.types import Grammar
 
@@ -34,8 +35,8 @@ class _Body(BaseModel):
 
 
 class InputText(_Body):
-    type: Literal["input_text", "output_text"]
-    text: str
+    type: str  # "input_text" or "output_text"; other kinds (an image, a file, audio) are refused by name
+    text: str | None = None
 
 
 class InputItem(_Body):
@@ -52,8 +53,8 @@ class InputItem(_Body):
 
 
 class FunctionTool(_Body):
-    type: Literal["function"]
-    name: str
+    type: str  # "function"; a built-in tool (web search, file search, ...) is refused by name
+    name: str | None = None
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -79,6 +80,9 @@ class TextConfig(_Body):
 
 
 class ResponsesRequest(_Body):
+    # Extra fields are kept so that the ones asking for what tandem does not do are refused by name.
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -100,6 +104,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     background: bool | None = None
     conversation: str | dict | None = None
+    prompt: str | dict | None = None  # a stored prompt template: refused, as tandem stores none
     # tandem extensions, as on the other generation routes
     speculation: str | None = None
     num_speculative_tokens: int | None = None
@@ -108,6 +113,10 @@ class ResponsesRequest(_Body):
     stream_smoothing: str | None = None
 
     def to_fields(self) -> RequestFields:
+        refuse_unsupported(self.model_extra)
+        if self.prompt:
+            raise InvalidRequest("prompt (a stored prompt template) is not supported: this server stores none; send "
+                                 "instructions and input", param="prompt")
         for name in ("previous_response_id", "conversation"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported: this server stores no responses; send the whole "
@@ -160,13 +169,17 @@ class ResponsesRequest(_Body):
             else:
                 if item.role is None:
                     raise InvalidRequest(f"{where}: a message needs a role", param=f"{where}.role")
-                content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content or [])
-                out.append(ChatMessage(item.role, content))
+                out.append(ChatMessage(item.role, _text(item.content, where)))
         return out
 
     def _tools(self) -> list[ToolDef] | None:
         if self.tools is None:
             return None
+        for i, tool in enumerate(self.tools):
+            if tool.type != "function":
+                raise refuse_tool(tool.type, f"tools[{i}]")
+            if not tool.name:
+                raise InvalidRequest(f"tools[{i}]: a function tool needs its name", param=f"tools[{i}].name")
         return [ToolDef.model_validate({"type": "function", "function": tool.model_dump(exclude_none=True,
                                                                                         exclude={"type"})})
                 for tool in self.tools]
@@ -189,3 +202,15 @@ class ResponsesRequest(_Body):
         except InvalidRequest as error:
             raise InvalidRequest(error.message.replace("response_format", "text.format"),
                                  param="text.format") from None
+
+
+def _text(content: str | list[InputText] | None, where: str) -> str:
+    """A message's text: the string, or its text parts joined (any other part refused by name)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text"):
+            raise refuse_part(part.type, f"{where}.content[{j}]")
+        if part.text is None:
+            raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text", param=f"{where}.content[{j}].text")
+    return "".join(part.text or "" for part in content)

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.chat_template import ChatMessage, ToolCallMade
 from gateway.errors import InvalidRequest
+from gateway.unsupported import refuse_tool
 from tandem.grammar import GrammarError, array_or_text, check_json_schema
 from tandem.rpc.types import Grammar, GrammarKind
 
@@ -55,8 +56,8 @@ class FunctionDef(_Body):
 
 
 class ToolDef(_Body):
-    type: Literal["function"]
-    function: FunctionDef
+    type: str  # "function"; a built-in tool (web search, ...) is refused by name
+    function: FunctionDef | None = None
 
 
 class NamedFunction(_Body):
@@ -200,6 +201,10 @@ def tool_calling(tools: list[ToolDef] | None, choice: str | NamedToolChoice | No
         raise InvalidRequest("tool_choice asks for tool calls, but the request has no tools", param="tool_choice")
     found: dict[str, Tool] = {}
     for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise refuse_tool(tool.type, f"tools[{i}]")
+        if tool.function is None:
+            raise InvalidRequest(f"tools[{i}]: a function tool needs its function", param=f"tools[{i}].function")
         name = tool.function.name
         if not NAME.fullmatch(name):
             raise InvalidRequest(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got {name!r}",
