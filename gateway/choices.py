@@ -7,7 +7,11 @@ differ from one another and the request repeats itself. The HTTP layer drives :c
 drives one generation (start, events, usage, close); events come tagged with their choice's index,
 in the order the choices produce them.
 
-The usage is the request's: the prompt counted once, the completions' tokens and the speculation
+A completions request may send a batch of prompts (OpenAI's list of texts or of token-id lists):
+each prompt is then a request of its own with its n choices, prompt after prompt, so choice
+``i * n + j`` is prompt i's choice j, as OpenAI numbers them.
+
+The usage is the request's: each prompt counted once, the completions' tokens and the speculation
 counters summed over the choices.
 """
 
@@ -37,8 +41,9 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
     ]
 
 
-def combined_usage(usages: Sequence[Usage]) -> Usage:
-    """One usage for the choices: the prompt once, the rest summed (each choice's mode counted)."""
+def combined_usage(usages: Sequence[Usage], per_prompt: int | None = None) -> Usage:
+    """One usage for the choices, in their order (``per_prompt`` choices of each prompt of a batch;
+    None: all of one prompt): each prompt once, the rest summed (each choice's mode counted)."""
     first = usages[0]
     stats = SpeculationStats(final_mode=first.speculative_decoding.final_mode)
     for usage in usages:
@@ -52,16 +57,31 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         stats.prediction_accepted += s.prediction_accepted
         stats.modes_used |= s.modes_used
         stats.fallback_reason = stats.fallback_reason or s.fallback_reason
-    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), stats, first.cached_prompt_tokens)
+    prompts = usages[:: per_prompt or len(usages)]
+    return Usage(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in usages), stats,
+                 sum(u.cached_prompt_tokens for u in prompts))
 
 
 SHARED_PROMPT_TOKENS = 64  # a shorter prompt prefills side by side sooner than after the first choice's
 
 
+async def _start(generations: Sequence[Generation]) -> None:
+    """Prefills the choices of one prompt (see :meth:`Choices.start`)."""
+    first, rest = generations[0], generations[1:]
+    if rest and len(first.request.prompt_token_ids) >= SHARED_PROMPT_TOKENS:
+        await first.start()
+        await asyncio.gather(*(g.start() for g in rest))
+    else:
+        await asyncio.gather(*(g.start() for g in generations))
+
+
 class Choices:
-    def __init__(self, generations: Sequence[Generation]) -> None:
-        if not generations:
-            raise ValueError("a request has at least one choice")
+    def __init__(self, generations: Sequence[Generation], per_prompt: int | None = None) -> None:
+        """``generations``: prompt after prompt, ``per_prompt`` (the request's n) of each; None:
+        all of one prompt (a batch of prompts comes only to completions)."""
+        self.per_prompt = per_prompt or len(generations)
+        if not generations or len(generations) % self.per_prompt:
+            raise ValueError("a request has at least one choice, n of each prompt")
         self.generations = list(generations)
 
     @property
@@ -74,18 +94,14 @@ class Choices:
 
     @property
     def usage(self) -> Usage:
-        return combined_usage([g.usage for g in self.generations])
+        return combined_usage([g.usage for g in self.generations], self.per_prompt)
 
     async def start(self) -> None:
         """Prefills every choice; raises what the first failure raised. Choices of a prompt long
-        enough to share are prefilled after the first: the target then starts them from a copy of
-        its cache (``SessionStore.shared_prefix``) and prefills only their last token."""
-        first, rest = self.generations[0], self.generations[1:]
-        if rest and len(first.request.prompt_token_ids) >= SHARED_PROMPT_TOKENS:
-            await first.start()
-            await asyncio.gather(*(g.start() for g in rest))
-        else:
-            await asyncio.gather(*(g.start() for g in self.generations))
+        enough to share are prefilled after the prompt's first: the target then starts them from a
+        copy of its cache (``SessionStore.shared_prefix``) and prefills only their last token."""
+        step = self.per_prompt
+        await asyncio.gather(*(_start(self.generations[i : i + step]) for i in range(0, len(self.generations), step)))
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) as the choices produce them; each choice's events end with its

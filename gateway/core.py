@@ -24,7 +24,8 @@ from gateway.choices import MAX_CHOICES, Choices, choice_requests
 from gateway.generation import Generation
 from gateway.monitor import UpstreamMonitor
 from gateway.served_model import ServedModel
-from gateway.validation import RequestFields, RequestValidator
+from gateway.request import GenerationRequest
+from gateway.validation import RequestFields, RequestValidator, prompt_batch
 from tandem.rpc import streams
 from tandem.telemetry.metrics import Metrics
 
@@ -86,27 +87,43 @@ class GatewayCore:
             self.metrics.requests.labels(status="rejected").inc()
             raise ShuttingDown("the gateway is shutting down", code="shutting_down")
         try:
-            request = self.validator.validate(read_fields())
-            if request.n > most:
-                raise InvalidRequest(f"n must be at most {most} here, got {request.n}", param="n")
+            requests = self._validated(read_fields(), most)
         except InvalidRequest:
             self.count_invalid()
             raise
+        n = requests[0].n
         tickets = []
         try:
-            for _ in range(request.n):
+            for _ in range(n * len(requests)):
                 tickets.append(self.admission.admit(key))
         except Overloaded:
             for ticket in tickets:
                 ticket.release()
             self.metrics.requests.labels(status="rejected").inc()
             raise
-        generations = [
-            Generation(choice, self.deps, ticket, received_at)
-            for choice, ticket in zip(choice_requests(request, request.n), tickets)
-        ]
+        choices = [choice for request in requests for choice in choice_requests(request, n)]
+        generations = [Generation(choice, self.deps, ticket, received_at) for choice, ticket in zip(choices, tickets)]
         self._live.update(generations)
-        return Choices(generations)
+        return Choices(generations, per_prompt=n)
+
+    def _validated(self, fields: RequestFields, most: int) -> list[GenerationRequest]:
+        """The request of each prompt (one, but for a completions batch: validation.prompt_batch)."""
+        batch = prompt_batch(fields)
+        requests = []
+        for i, one in enumerate(batch):
+            try:
+                requests.append(self.validator.validate(one))
+            except InvalidRequest as error:
+                if len(batch) == 1 or error.param != "prompt":
+                    raise
+                raise InvalidRequest(f"prompt[{i}]: {error.message}", param="prompt") from None
+        n = requests[0].n
+        if n * len(requests) > most and len(requests) == 1:
+            raise InvalidRequest(f"n must be at most {most} here, got {n}", param="n")
+        if n * len(requests) > most:
+            raise InvalidRequest(f"a batch of {len(requests)} prompts with n={n} asks for {n * len(requests)} "
+                                 f"choices; at most {most} a request here (send the rest in another)", param="prompt")
+        return requests
 
     async def drain(self, grace: float) -> None:
         """Refuses new requests, lets those in flight finish for up to ``grace`` seconds, then

@@ -87,7 +87,7 @@ def usage_info(usage: Usage) -> UsageInfo:
 async def complete(choices: Choices, meta: ResponseMeta) -> ChatCompletionResponse | CompletionResponse:
     """Runs started choices to their ends and returns the whole response."""
     finished = await asyncio.gather(*(_whole(generation, meta, i) for i, generation in enumerate(choices.generations)))
-    usage = usage_info(combined_usage([usage for _, usage in finished]))
+    usage = usage_info(combined_usage([usage for _, usage in finished], choices.per_prompt))
     if meta.kind == "chat":
         return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model,
                                       choices=[choice for choice, _ in finished], usage=usage)
@@ -139,7 +139,7 @@ async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
                 yield _event(_completion_chunk(meta, prompt, logprobs=_completion_logprobs(meta, [], 0, echoed),
                                                index=i))
                 sent[i] = len(prompt)
-        usages: list[Usage] = []
+        usages: dict[int, Usage] = {}  # by choice, as they finish
         async for i, event in choices.events():
             if isinstance(event, TextDelta):
                 if tools[i] is not None:
@@ -156,9 +156,10 @@ async def stream(choices: Choices, meta: ResponseMeta) -> AsyncIterator[str]:
                 if last is not None:
                     yield _event(_chat_chunk(meta, last, index=i))
             yield _event(_finish_chunk(meta, reason, i))
-            usages.append(event.usage)
+            usages[i] = event.usage
         if meta.include_usage and len(usages) == len(sent):
-            yield _event(_usage_chunk(meta, usage_info(combined_usage(usages))))
+            in_order = [usages[i] for i in range(len(sent))]
+            yield _event(_usage_chunk(meta, usage_info(combined_usage(in_order, choices.per_prompt))))
     except GatewayError as exc:
         log.warning("stream %s failed: %s", meta.id, exc.message)
         yield f"data: {json.dumps(exc.to_openai())}\n\n"

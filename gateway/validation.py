@@ -9,7 +9,7 @@ returns a :class:`gateway.request.GenerationRequest`, or raises
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from gateway.chat_template import ChatMessage, ChatTemplateError
@@ -26,7 +26,9 @@ from tandem.rpc.types import (
     Grammar,
 )
 
-MAX_CHOICES = 16  # choices (n) one request may ask for: each takes a target session and an admission slot
+# Choices one request may ask for (n, times the prompts of a completions batch): each takes a target
+# session and an admission slot.
+MAX_CHOICES = 16
 
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -34,7 +36,7 @@ MAX_SPECULATIVE_TOKENS = 64
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**64 - 1
 
-# As OpenAI's /v1/completions accepts it: text, token ids, or a batch of either (of one).
+# As OpenAI's /v1/completions accepts it: text, token ids, or a batch of either (prompt_batch).
 PromptInput = Union[str, list[int], list[str], list[list[int]]]
 
 
@@ -65,6 +67,16 @@ class RequestFields:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
+
+
+def prompt_batch(fields: RequestFields) -> list[RequestFields]:
+    """A completions request's prompts, each as a request of its own: OpenAI's batch (a list of
+    texts, or of token-id lists) is answered as that many requests' choices, prompt after prompt
+    (choice ``i * n + j`` is prompt i's choice j). Any other request is one."""
+    prompt = fields.prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        return [replace(fields, prompt=one) for one in prompt]
+    return [fields]
 
 
 class RequestValidator:

@@ -98,3 +98,48 @@ async def test_the_openai_sdk_reads_n_choices(stack):
         indexes = {c.choices[0].index async for c in streamed if c.choices}
     assert [c.index for c in response.choices] == [0, 1] and indexes == {0, 1}
     await stack.wait_until_idle()
+
+
+# --------------------------------------------------------------------------- a batch of prompts (completions)
+
+
+async def test_a_batch_of_prompts_is_answered_prompt_after_prompt_with_their_n_choices(stack):
+    """OpenAI's batch: each prompt a request of its own, choice i * n + j its choice j; the usage
+    counts each prompt once; echo repeats each choice's own prompt."""
+    import openai
+
+    prompts = ["Once upon", "The weather today is"]
+    tokenizer = stack.gateway.core.model.tokenizer
+    async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0) as sdk:
+        answer = await sdk.completions.create(model=model_name(stack), prompt=prompts, n=2, max_tokens=4,
+                                              echo=True, extra_body={"ignore_eos": True})
+        assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+        assert [c.text.startswith(prompts[c.index // 2]) for c in answer.choices] == [True] * 4
+        prompt_ids = [tuple(tokenizer(p)["input_ids"]) for p in prompts]
+        assert answer.usage.prompt_tokens == sum(map(len, prompt_ids)) and answer.usage.completion_tokens == 4 * 4
+        assert sorted(stack.model.prefilled_prompts[-4:]) == sorted(2 * prompt_ids)
+
+        streamed = await sdk.completions.create(model=model_name(stack), prompt=[[5, 6, 7], [8, 9]], max_tokens=3,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+        chunks = [chunk async for chunk in streamed]
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert chunks[-1].usage.prompt_tokens == 5 and chunks[-1].usage.completion_tokens == 6
+    await stack.wait_until_idle()
+
+
+async def test_a_batch_is_refused_whole_where_a_prompt_is_bad_or_it_asks_for_too_many(stack):
+    body = {"model": model_name(stack), "max_tokens": 2}
+    empty = await post(stack, "/v1/completions", {**body, "prompt": ["fine", ""]})
+    assert empty.status_code == 400 and empty.json()["error"]["message"].startswith("prompt[1]: ")
+    too_many = await post(stack, "/v1/completions", {**body, "prompt": ["a", "b", "c"], "n": 6})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
+    assert "18 choices" in too_many.json()["error"]["message"]
+    assert not any(rpc == "Prefill" for rpc, _ in stack.model.rpcs)
+    assert stack.gateway.core.admission.in_flight == 0
+
+
+def test_a_batchs_usage_counts_each_prompt_once():
+    usages = [Usage(p, c, SpeculationStats(), cached) for p, c, cached in ((3, 5, 1), (3, 4, 1), (7, 2, 0), (7, 1, 0))]
+    both = combined_usage(usages, per_prompt=2)
+    assert (both.prompt_tokens, both.completion_tokens, both.cached_prompt_tokens) == (10, 12, 1)
