@@ -8,6 +8,7 @@ wins. Flags are generated from the settings classes, so a new setting is a new f
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Any, NoReturn, get_args, get_origin
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (settings_cls, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_settings_flags(p, settings_cls)
-        p.set_defaults(settings_cls=settings_cls)
+        p.set_defaults(settings_cls=settings_cls, command_parser=p)
     tools = {
         "bench": "measure speculative against autoregressive decoding",
         "calibrate": "KL divergence and expected acceptance of a draft/target pair, recommended K",
@@ -85,8 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in tools.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         _tool_module(name).add_arguments(p)
-        p.set_defaults(settings_cls=None)
+        p.set_defaults(settings_cls=None, command_parser=p)
     return parser
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; an unknown flag is refused by its command (its usage, not tandem's) with
+    the closest flags it has, exit status 2."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        command: argparse.ArgumentParser = args.command_parser
+        flags = [flag for action in command._actions for flag in action.option_strings]
+        near = [match for token in unknown if token.startswith("--")
+                for match in difflib.get_close_matches(token.split("=", 1)[0], flags, n=3, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(dict.fromkeys(near))}?)" if near else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def _tool_module(name: str) -> Any:
@@ -97,7 +112,7 @@ def _tool_module(name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.settings_cls is None:
         return _tool_module(args.command).main(args)
     settings = settings_from(args, args.settings_cls)

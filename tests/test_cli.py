@@ -55,6 +55,21 @@ def test_invalid_flag_value_is_refused_with_one_line_naming_the_flag(capsys) -> 
         assert message in capsys.readouterr().err
 
 
+def test_an_unknown_flag_is_refused_by_its_command_with_the_closest_flags(capsys) -> None:
+    for argv, said in [(["serve", "--port", "8000"], "tandem serve: error: unrecognized arguments: --port 8000 (did "
+                                                     "you mean --http-port"),
+                       (["gateway", "--target-adress=x:1"], "(did you mean --target-address"),
+                       (["bench", "--promts", "3"], "tandem bench: error: unrecognized arguments: --promts 3 (did you "
+                                                    "mean --prompts"),
+                       (["draft", "--zzz"], "tandem draft: error: unrecognized arguments: --zzz\n")]:
+        with pytest.raises(SystemExit) as info:
+            cli.parse(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and err.startswith(f"usage: tandem {argv[0]}"), err
+    assert cli.parse(["serve", "--http-port", "9"]).http_port == 9
+
+
 def test_children_talk_over_loopback_on_the_given_ports() -> None:
     s = config.ServeSettings(host="0.0.0.0", target_port=6001, draft_port=6002, grpc_port=6003, http_port=6004)
     target, draft, gateway = child_commands(s)
