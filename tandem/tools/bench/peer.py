@@ -60,8 +60,11 @@ class PeerRun:
 
 
 def _load_pair(target_spec: str, assistant_spec: str | None, k: int, device: str, dtype: str) -> tuple[Any, Any, str, dict]:
+    from transformers.utils import logging as transformers_logging
+
     from tandem.models import ModelSpecError, load_model, tokenizer_fingerprint
 
+    transformers_logging.disable_progress_bar()  # its weight-loading bar would cut through the bench's own
     try:
         target = load_model(target_spec, device=device, dtype=dtype)
     except (ModelSpecError, OSError) as exc:

@@ -99,7 +99,10 @@ def format_report(report: Report) -> str:
             f"in-process on {peer.device} ({peer.dtype}), one request at a time"
         )
         lines.append(f"speedup vs peer (speculative / peer tokens/s): {_x(report.speedup_vs_peer)}")
-        lines.append(f"peer outputs identical to autoregressive: {peer.outputs_identical_to_autoregressive}")
+        identical = peer.outputs_identical_to_autoregressive
+        why = (f" (the peer decodes the checkpoint in {peer.dtype}; a server computing otherwise, e.g. on a GGUF "
+               "file's quantized blocks, may take the other side of a near-tie)") if identical is False else ""
+        lines.append(f"peer outputs identical to autoregressive: {identical}{why}")
     if report.outputs_identical is not None:
         lines.append(f"greedy outputs identical across modes: {report.outputs_identical}")
     failed = {mode: s.failed for mode, s in report.overall.items() if s.failed}
