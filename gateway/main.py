@@ -43,7 +43,8 @@ from tandem.config import GatewaySettings
 from tandem.rpc.endpoints import Health
 from tandem.rpc.security import HopSecurity, for_service
 from tandem.telemetry.metrics import Metrics, make_metrics
-from tandem.models import default_served_name, load_tokenizer
+from tandem.models import default_served_name, resolve
+from tandem.models.tokenizer_facts import TokenizerLoader, tokenizer_facts
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +110,19 @@ async def start_gateway(
 ) -> RunningGateway:
     """Starts HTTP and gRPC in the running loop and returns once both accept connections.
 
-    ``tokenizer`` defaults to the target model's (``load_tokenizer(settings.target_model)``);
+    ``tokenizer`` defaults to the target model's (its fingerprint read where an earlier start saved it);
     ``max_context_len`` to the checkpoint's config, until the target reports its own.
     """
     spec = settings.target_model
+    fingerprint = ""
     if tokenizer is None:
-        tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+        loader = TokenizerLoader(resolve(spec).hf_dir)
+        fingerprint = (await asyncio.to_thread(tokenizer_facts, loader)).fingerprint  # saved by an earlier start
+        tokenizer = await asyncio.to_thread(loader.get)
     if max_context_len is None:
         max_context_len = await asyncio.to_thread(config_context_len, spec)
-    model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len)
+    model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len,
+                        fingerprint)
 
     keys = _api_keys(settings)
     security = _security(settings)

@@ -18,7 +18,9 @@ class ServedModel:
     # by the target's own limit (TargetService.Info.max_context_len) once the target answers,
     # since the target may be configured below the model's limit.
     max_context_len: int
-    fingerprint: str = field(init=False)
+    # tandem.models.tokenizer_fingerprint of the tokenizer: computed where not given (a start reads
+    # it from the record tandem.models.tokenizer_facts keeps for the checkpoint's tokenizer files).
+    fingerprint: str = ""
     chat: ChatFormat = field(init=False)
     # Token ids the tokenizer can decode: valid ids are 0 <= id < vocab_size. Counted once: a
     # tokenizer's len() walks its added tokens (~0.4-1 ms), and every request's validation asks.
@@ -27,7 +29,7 @@ class ServedModel:
     strings: TokenStrings = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.fingerprint = self.fingerprint or tokenizer_fingerprint(self.tokenizer)
         self.chat = ChatFormat.for_tokenizer(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.strings = TokenStrings(self.tokenizer)

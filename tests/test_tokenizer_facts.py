@@ -105,3 +105,24 @@ def test_a_cache_that_cannot_be_written_only_costs_the_tokenizer_load(tiny_gemma
     with caplog.at_level(logging.INFO, logger=facts_module.__name__):
         assert tokenizer_facts(loader) == facts_of(loader.get())
     assert "not cached" in caplog.text
+
+
+async def test_a_gateway_reads_the_fingerprint_its_target_recorded(tiny_gemma_dir, cache, monkeypatch) -> None:
+    """The gateway loads the tokenizer (it tokenizes every request) but takes the fingerprint it
+    checks targets and drafts against from the record, once one start has made it."""
+    from gateway import served_model
+    from gateway.main import start_gateway
+    from tandem.config import GatewaySettings
+
+    expected = facts_of(load_tokenizer(str(tiny_gemma_dir))).fingerprint
+    settings = GatewaySettings(target_model=str(tiny_gemma_dir), target_address="127.0.0.1:9",
+                               draft_address="127.0.0.1:9", http_port=0, grpc_port=0, log_level="warning")
+    for start in ("first", "again"):
+        gateway = await start_gateway(settings, max_context_len=512)
+        try:
+            assert gateway.core.model.fingerprint == expected, start
+            assert gateway.core.model.tokenizer("hello").input_ids
+        finally:
+            await gateway.stop()
+        monkeypatch.setattr(served_model, "tokenizer_fingerprint", lambda *_: pytest.fail("computed again"))
+        monkeypatch.setattr(facts_module, "facts_of", lambda *_: pytest.fail("read off the tokenizer again"))
