@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chat_template import FALLBACK_STOP_STRINGS, ChatFormat, ChatMessage, ChatTemplateError
+from gateway.chat_template import FALLBACK_STOP_STRINGS, ChatFormat, ChatMessage, ChatTemplateError, end_of_turn_ids
 
 MESSAGES = [ChatMessage("system", "You are terse."), ChatMessage("user", "Say hello.")]
 
@@ -48,3 +48,11 @@ def test_end_of_turn_token_becomes_a_stop_token(tokenizer):
     with_eot = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     with_eot.add_special_tokens({"additional_special_tokens": ["<end_of_turn>"]})
     assert ChatFormat.for_tokenizer(with_eot).stop_token_ids == (with_eot.convert_tokens_to_ids("<end_of_turn>"),)
+
+
+def test_end_of_turn_ids_of_a_tokenizer_without_a_tokenizers_backend():
+    class Plain:  # a slow tokenizer: its vocabulary only as a dict
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 1, "<|im_end|>": 7, "<end_of_turn>": 9}
+
+    assert end_of_turn_ids(Plain()) == (9, 7)
