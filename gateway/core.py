@@ -109,6 +109,9 @@ class GatewayCore:
     def _validated(self, fields: RequestFields, most: int) -> list[GenerationRequest]:
         """The request of each prompt (one, but for a completions batch: validation.prompt_batch)."""
         batch = prompt_batch(fields)
+        if len(batch) > most:  # refused before its prompts are tokenized
+            raise InvalidRequest(f"a batch of {len(batch)} prompts asks for more than the {most} choices a request "
+                                 "may have here; send the rest in another", param="prompt")
         requests = []
         for i, one in enumerate(batch):
             try:

@@ -135,6 +135,8 @@ async def test_a_batch_is_refused_whole_where_a_prompt_is_bad_or_it_asks_for_too
     too_many = await post(stack, "/v1/completions", {**body, "prompt": ["a", "b", "c"], "n": 6})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt", too_many.text
     assert "18 choices" in too_many.json()["error"]["message"]
+    huge = await post(stack, "/v1/completions", {**body, "prompt": ["x"] * 2048})
+    assert huge.status_code == 400 and "a batch of 2048 prompts" in huge.json()["error"]["message"]
     assert not any(rpc == "Prefill" for rpc, _ in stack.model.rpcs)
     assert stack.gateway.core.admission.in_flight == 0
 
