@@ -44,8 +44,9 @@ class TextContentPart(_StrictBody):
 
 
 class ContentPart(_StrictBody):
-    type: str  # "text"; any other kind (an image, audio, a file) is refused by name
+    type: str  # "text" (or an assistant's "refusal"); any other kind (an image, audio, a file) is refused by name
     text: str | None = None
+    refusal: str | None = None  # an assistant message's refusal part, read as its text
 
 
 class ChatMessageIn(_StrictBody):
@@ -60,13 +61,16 @@ class ChatMessageIn(_StrictBody):
         if isinstance(self.content, str):
             content = self.content
         else:
+            texts = []
             for j, part in enumerate(self.content or ()):
-                if part.type != "text":
+                if part.type not in ("text", "refusal") or (part.type == "refusal" and self.role != "assistant"):
                     raise refuse_part(part.type, f"{where}.content[{j}]")
-                if part.text is None:
-                    raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text",
-                                         param=f"{where}.content[{j}].text")
-            content = "".join(p.text or "" for p in self.content or ())
+                text = part.text if part.type == "text" else part.refusal
+                if text is None:
+                    raise InvalidRequest(f"{where}.content[{j}]: a {part.type} part needs its {part.type}",
+                                         param=f"{where}.content[{j}].{part.type}")
+                texts.append(text)
+            content = "".join(texts)
         calls = tuple(call.made(f"{where}.tool_calls[{i}]") for i, call in enumerate(self.tool_calls or ()))
         return ChatMessage(self.role, content, calls, self.tool_call_id)
 

@@ -108,9 +108,14 @@ def test_parts_and_tools_tandem_cannot_use_are_named() -> None:
         with pytest.raises(InvalidRequest) as refused:
             request_type.model_validate(body).to_fields()
         assert (refused.value.param, said in refused.value.message) == (param, True), (body, refused.value.message)
-    # Text parts alone are read as before.
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
-    assert ChatCompletionRequest.model_validate(parts).to_fields().messages[0].content == "ab"
+    # Text parts are read as before, and an assistant's refusal part as its text.
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}]}
+    assert [m.content for m in ChatCompletionRequest.model_validate(parts).to_fields().messages] == ["ab", "I can't."]
+    user_refusal = {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}
+    with pytest.raises(InvalidRequest) as refused:
+        ChatCompletionRequest.model_validate(user_refusal).to_fields()
+    assert refused.value.param == "messages[0].content[0]"
 
 
 @pytest.fixture
