@@ -10,9 +10,9 @@ forbidden token, a tree's forbidden nodes with their subtrees). Forced drafts ar
 source ``grammar`` by the block-length policy, like any other source.
 
 A guide never changes what the target commits, only what it is offered. It needs the target's
-tokenizer, loaded in the background at the first constrained session, and each grammar compiled,
-also in the background; until then (or where the tokenizer is not the target's) sessions are
-drafted unguided.
+tokenizer, loaded in the background from the service's start (or the first constrained session),
+and each grammar compiled, also in the background; until then (or where the tokenizer is not the
+target's) sessions are drafted unguided.
 
 Invariant: the matcher has accepted exactly the longest prefix of the session's tokens (generated
 part, as ``commit`` says, assumed tokens of blocks sent ahead included) that the grammar allows;
@@ -70,15 +70,17 @@ class _DaemonWorker:
 class GrammarGuide:
     """The draft's grammar compiler, for the target's tokenizer (``tokenizer_spec``: the target
     model's SPEC). Its one background thread loads the tokenizer (from :meth:`start`, or the first
-    constrained session) and compiles each grammar the first time a session brings it (a second
-    or two for a new JSON schema with a large vocabulary): the model thread never waits for
-    either, and a session whose grammar is not compiled yet drafts unguided."""
+    constrained session), builds the compiler once the target is known (``target``, or
+    :meth:`attach`) and compiles each grammar the first time a session brings it (a second or two
+    for a new JSON schema with a large vocabulary): the model thread never waits for any of it, and
+    a session whose grammar is not compiled yet drafts unguided."""
 
-    def __init__(self, tokenizer_spec: str, target: TargetInfo) -> None:
+    def __init__(self, tokenizer_spec: str, target: TargetInfo | None = None) -> None:
         self._spec = tokenizer_spec
         self._target = target
+        self._loaded: Any = None  # (TokenizerLoader, TokenizerFacts, encoder), once loaded (before the target may be known)
         self._compiler: GrammarCompiler | None = None
-        self._tokenizer: Any = None
+        self._encode: Callable[[str], Sequence[int]] | None = None  # forced text to tokens (forced_text_encoder)
         self._background = _DaemonWorker("grammar-guide")
         self._lock = threading.Lock()
         self._loading = False
@@ -105,18 +107,37 @@ class GrammarGuide:
         start = spec.prompt_len - spec.continued_tokens  # where the grammar's text begins
         # A fresh matcher (from xgrammar's cache): the session follows every token from ``start`` itself.
         matcher = self._compiler.matcher(spec.grammar)
-        return GuidedSession(session, matcher, self._tokenizer, start, spec.token_ids)
+        return GuidedSession(session, matcher, self._encode, start, spec.token_ids)
 
     def start(self) -> None:
-        """Starts loading the tokenizer (once): at the service's start, so that the seconds of it
-        that hold the interpreter pass before sessions come."""
+        """Starts loading the tokenizer (once) in the background."""
         with self._lock:
             self._start_loading()
+
+    def load(self) -> None:
+        """Loads the tokenizer now, on the calling thread (once): the service does it as it starts,
+        so that the seconds it holds the interpreter and a core pass before the service says it
+        serves, not in its first requests, and no other thread imports transformers meanwhile (its
+        lazy modules are not safe to import from two threads at once)."""
+        with self._lock:
+            if self._loading:
+                return
+            self._loading = True
+        self._load()
+
+    def attach(self, target: TargetInfo) -> None:
+        """The target's facts, known once it answers: the compiler is built for them (after the load)."""
+        with self._lock:
+            self._target = target
+            if self._loading:
+                self._background.submit(self._build)
 
     def _start_loading(self) -> None:
         if not self._loading:
             self._loading = True
             self._background.submit(self._load)
+            if self._target is not None:
+                self._background.submit(self._build)
 
     def _start(self, key: tuple[GrammarKind, str]) -> None:
         """Queues the tokenizer's loading (once) and ``key``'s compilation (once); under the lock."""
@@ -126,20 +147,35 @@ class GrammarGuide:
             self._background.submit(self._compile, key)
 
     def _load(self) -> None:
-        from tandem.models import load_tokenizer, tokenizer_fingerprint
+        """The tokenizer's facts (from the record the target keeps: tandem.models.tokenizer_facts)
+        and the encoder of forced text; the tokenizer itself only where the record or the grammar
+        table is not there yet."""
+        from tandem.models import resolve
+        from tandem.models.tokenizer_facts import TokenizerLoader, tokenizer_facts
 
         try:
-            tokenizer = load_tokenizer(self._spec)
-            if tokenizer_fingerprint(tokenizer) != self._target.tokenizer_fingerprint:
+            loader = TokenizerLoader(resolve(self._spec).hf_dir)
+            self._loaded = loader, tokenizer_facts(loader), forced_text_encoder(loader)
+        except Exception:  # noqa: BLE001 (guidance is an optimisation: say why and draft unguided)
+            log.exception("constrained sessions draft unguided: the tokenizer of %r failed to load", self._spec)
+
+    def _build(self) -> None:
+        """The compiler for the target (on the background thread, after :meth:`_load`)."""
+        target = self._target
+        if self._loaded is None or target is None or self._compiler is not None:
+            return  # (a failed load was logged)
+        loader, facts, encode = self._loaded
+        try:
+            if facts.fingerprint != target.tokenizer_fingerprint:
                 log.warning("constrained sessions draft unguided: the tokenizer of %r is not the target's", self._spec)
                 return
-            compiler = GrammarCompiler(tokenizer, self._target.vocab_size, self._target.eos_token_ids,
-                                       self._target.tokenizer_fingerprint)
+            compiler = GrammarCompiler(loader, target.vocab_size, target.eos_token_ids, target.tokenizer_fingerprint,
+                                       facts.backend)
             compiler.prepare()
         except Exception:  # noqa: BLE001 (guidance is an optimisation: say why and draft unguided)
             log.exception("constrained sessions draft unguided: the grammar compiler failed to load")
             return
-        self._tokenizer, self._compiler = tokenizer, compiler
+        self._encode, self._compiler = encode, compiler
         log.info("constrained sessions now draft along their grammar")
 
     def _compile(self, key: tuple[GrammarKind, str]) -> None:
@@ -158,14 +194,31 @@ class GrammarGuide:
                 self._compiled.popitem(last=False)
 
 
+def forced_text_encoder(loader: Any) -> Callable[[str], Sequence[int]]:
+    """How a guide spells forced text in tokens: through the checkpoint's ``tokenizer.json`` with
+    the tokenizers library alone where there is one (about half the load time of transformers'
+    tokenizer class, which may rebuild the backend from the vocabulary in Python), else the
+    tokenizer ``loader`` (a ``TokenizerLoader``) loads. A class that spells text otherwise than its
+    file only gets its forced drafts accepted less often: the target decides what is committed."""
+    path = loader.hf_dir / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        raw = Tokenizer.from_file(str(path))
+        return lambda text: raw.encode(text, add_special_tokens=False).ids
+    tokenizer = loader.get()
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
 class GuidedSession(ProposerSession):
     """A proposer session whose drafts follow the session's grammar."""
 
-    def __init__(self, inner: ProposerSession, matcher: Any, tokenizer: Any, start: int,
+    def __init__(self, inner: ProposerSession, matcher: Any, encode: Callable[[str], Sequence[int]], start: int,
                  token_ids: Sequence[int]) -> None:
+        """``encode``: forced text to its tokens (:func:`forced_text_encoder`)."""
         self.inner = inner
         self._matcher = matcher
-        self._tokenizer = tokenizer
+        self._encode = encode
         self._start = start  # index of the grammar's first token in the session's sequence
         self._tokens: list[int] = []  # the session's tokens from ``start`` on
         self._matched = 0  # how many of them the matcher has accepted
@@ -210,7 +263,7 @@ class GuidedSession(ProposerSession):
             self._matched += 1
 
     def _forced(self, max_tokens: int) -> list[int]:
-        """The tokens of the text the grammar forces next (as the tokenizer spells it), as many as it allows."""
+        """The tokens of the text the grammar forces next (as ``encode`` spells it), as many as it allows."""
         forced = self._accept_forced(max_tokens)
         if forced:
             self._matcher.rollback(len(forced))
@@ -221,7 +274,7 @@ class GuidedSession(ProposerSession):
         if max_tokens <= 0 or self._matcher.is_terminated():
             return []
         text = self._matcher.find_jump_forward_string()
-        return self._accept(self._tokenizer.encode(text, add_special_tokens=False)[:max_tokens]) if text else []
+        return self._accept(list(self._encode(text))[:max_tokens]) if text else []
 
     def _accept(self, tokens: Sequence[int]) -> list[int]:
         """The longest prefix of ``tokens`` the grammar allows, left accepted by the matcher."""

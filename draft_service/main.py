@@ -114,16 +114,18 @@ async def start_draft(
     await health.not_serving()
     await server.start()
     worker = ModelWorker("draft-model")
+    guide = None if grammar_tokenizer is None else GrammarGuide(grammar_tokenizer)
     try:
+        if guide is not None:  # its tokenizer loads while the target may still be loading (docs/structured-output.md)
+            await asyncio.to_thread(guide.load)
         first = await targets.wait_for_any(target_wait_s)
         log.info("target pool %s: %s is SERVING; checking this draft against it", target_address, first.address)
         target_info = await first.info()
         proposer = await worker.run(proposer_factory, target_info)
         check_tokenizers(proposer, target_info)
         await worker.run(proposer.warm_up)
-        guide = None if grammar_tokenizer is None else GrammarGuide(grammar_tokenizer, target_info)
         if guide is not None:
-            guide.start()
+            guide.attach(target_info)
         engine = DraftEngine(
             proposer,
             targets,

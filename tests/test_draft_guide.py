@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,8 @@ def ids(tokenizer, text: str) -> list[int]:
 
 def guided(compiler, tokenizer, prompt: list[int], generated: list[int] = ()) -> tuple[GuidedSession, Scripted]:
     inner = Scripted()
-    return GuidedSession(inner, compiler.matcher(SCHEMA, ()), tokenizer, len(prompt), prompt + list(generated)), inner
+    encode = lambda text: ids(tokenizer, text)  # noqa: E731
+    return GuidedSession(inner, compiler.matcher(SCHEMA, ()), encode, len(prompt), prompt + list(generated)), inner
 
 
 def test_forced_text_is_proposed_as_the_tokenizer_spells_it(compiler, tokenizer) -> None:
@@ -152,6 +154,49 @@ def test_the_guide_loads_in_the_background_and_wraps_only_constrained_sessions(t
     assert tokenizer.decode(wrapped.propose(8).token_ids) == '"ok": '
 
 
+def test_a_guide_started_before_its_target_is_known_builds_once_attached(tiny_dir, tokenizer, tmp_path,
+                                                                          monkeypatch) -> None:
+    """As the service starts it: the tokenizer's facts and the forced-text encoder load before the
+    draft waits for its target; the compiler is built in the background once the target's facts
+    come. Once the target's records exist (its tokenizer's facts, the grammar table), a guide loads
+    no transformers tokenizer at all."""
+    from tandem.models import loading
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    target = TargetInfo("tiny", len(tokenizer), tokenizer_fingerprint(tokenizer), eos_token_ids=(tokenizer.eos_token_id,))
+    for attempt in ("records made", "records read"):
+        guide = GrammarGuide(str(tiny_dir))
+        guide.load()
+        guide.start()  # (loaded already: nothing more)
+        assert not guide.ready  # nothing to build for yet
+        guide.attach(target)
+        inner = Scripted()
+        deadline = time.monotonic() + 60
+        while guide.wrap(inner, spec([5, 6], 2, SCHEMA)) is inner and time.monotonic() < deadline:
+            time.sleep(0.05)
+        session = guide.wrap(inner, spec([5, 6], 2, SCHEMA))
+        assert isinstance(session, GuidedSession), attempt
+        assert tokenizer.decode(session.propose(16).token_ids) == '{"name": "'
+        monkeypatch.setattr(loading, "load_tokenizer", lambda *_: pytest.fail("the tokenizer was loaded"))
+
+
+def test_forced_text_is_encoded_as_the_tokenizer_encodes_it(tiny_dir, tokenizer, tmp_path) -> None:
+    """From ``tokenizer.json`` alone, or through the tokenizer where a checkpoint has no such file."""
+    import shutil
+
+    from draft_service.guide import forced_text_encoder
+    from tandem.models.tokenizer_facts import TokenizerLoader
+
+    texts = ['{"name": "', '", "ok": ', "true}", " spaced  out\n\ttabs", "ünïcödé 🤖", ""]
+    encode = forced_text_encoder(TokenizerLoader(tiny_dir))
+    assert [list(encode(t)) for t in texts] == [ids(tokenizer, t) for t in texts]
+    copy = tmp_path / "no-tokenizer-json"
+    shutil.copytree(tiny_dir, copy)
+    (copy / "tokenizer.json").unlink()
+    loader = TokenizerLoader(copy, tokenizer=tokenizer)
+    assert [list(forced_text_encoder(loader)(t)) for t in texts] == [ids(tokenizer, t) for t in texts]
+
+
 def test_a_tokenizer_that_is_not_the_targets_leaves_sessions_unguided(tiny_dir, tokenizer) -> None:
     target = TargetInfo("other", len(tokenizer), "another-fingerprint", eos_token_ids=(tokenizer.eos_token_id,))
     guide = GrammarGuide(str(tiny_dir), target)
@@ -215,3 +260,18 @@ async def test_the_engine_guides_constrained_sessions_it_drafts(tiny_dir, tokeni
     assert set(first["json"].sources) == {SOURCE}
     assert tokenizer.decode(first["json"].token_ids) == '"name": "'
     assert SOURCE not in first["free"].sources
+
+
+def test_the_default_targets_forced_text_is_encoded_as_its_tokenizer_encodes_it() -> None:
+    """gemma-3-270m's tokenizer class rebuilds its backend from the vocabulary; its tokenizer.json
+    spells text the same: JSON's punctuation and keys, and the bench's prompts."""
+    from draft_service.guide import forced_text_encoder
+    from tandem.models import resolve
+    from tandem.models.tokenizer_facts import TokenizerLoader
+
+    loader = TokenizerLoader(resolve("gemma-3-270m").hf_dir)
+    encode, tokenizer = forced_text_encoder(loader), loader.get()
+    bench = Path(__file__).resolve().parents[1] / "tandem" / "data" / "bench_prompts.jsonl"
+    texts = ['{"name": "', '", "age": ', ', "tags": ["', '"]}', "\n  ", "<end_of_turn>"]
+    texts += [json.loads(line)["prompt"] for line in bench.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert [list(encode(t)) for t in texts] == [ids(tokenizer, t) for t in texts]
