@@ -69,16 +69,18 @@ class _DaemonWorker:
 
 class GrammarGuide:
     """The draft's grammar compiler, for the target's tokenizer (``tokenizer_spec``: the target
-    model's SPEC). Its one background thread loads the tokenizer (from :meth:`start`, or the first
-    constrained session), builds the compiler once the target is known (``target``, or
-    :meth:`attach`) and compiles each grammar the first time a session brings it (a second or two
-    for a new JSON schema with a large vocabulary): the model thread never waits for any of it, and
-    a session whose grammar is not compiled yet drafts unguided."""
+    model's SPEC). What it needs of the tokenizer (its facts and the forced-text encoder) loads by
+    :meth:`load` as the service starts (else on its one background thread, from :meth:`start` or
+    the first constrained session); that thread builds the compiler once the target is known
+    (``target``, or :meth:`attach`) and compiles each grammar the first time a session brings it (a
+    second or two for a new JSON schema with a large vocabulary): the model thread never waits for
+    any of it, and a session whose grammar is not compiled yet drafts unguided."""
 
     def __init__(self, tokenizer_spec: str, target: TargetInfo | None = None) -> None:
         self._spec = tokenizer_spec
         self._target = target
-        self._loaded: Any = None  # (TokenizerLoader, TokenizerFacts, encoder), once loaded (before the target may be known)
+        # (TokenizerLoader, TokenizerFacts, encoder), once loaded (possibly before the target is known)
+        self._loaded: Any = None
         self._compiler: GrammarCompiler | None = None
         self._encode: Callable[[str], Sequence[int]] | None = None  # forced text to tokens (forced_text_encoder)
         self._background = _DaemonWorker("grammar-guide")
@@ -110,15 +112,15 @@ class GrammarGuide:
         return GuidedSession(session, matcher, self._encode, start, spec.token_ids)
 
     def start(self) -> None:
-        """Starts loading the tokenizer (once) in the background."""
+        """Starts loading what the guide needs of the tokenizer (once) in the background."""
         with self._lock:
             self._start_loading()
 
     def load(self) -> None:
-        """Loads the tokenizer now, on the calling thread (once): the service does it as it starts,
-        so that the seconds it holds the interpreter and a core pass before the service says it
-        serves, not in its first requests, and no other thread imports transformers meanwhile (its
-        lazy modules are not safe to import from two threads at once)."""
+        """Loads what the guide needs of the tokenizer now, on the calling thread (once): the service
+        does it as it starts, so that the seconds it holds the interpreter and a core pass before
+        the service says it serves, not in its first requests, and no other thread imports
+        transformers meanwhile (its lazy modules are not safe to import from two threads at once)."""
         with self._lock:
             if self._loading:
                 return
