@@ -212,5 +212,6 @@ def _text(content: str | list[InputText] | None, where: str) -> str:
         if part.type not in ("input_text", "output_text"):
             raise refuse_part(part.type, f"{where}.content[{j}]")
         if part.text is None:
-            raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text", param=f"{where}.content[{j}].text")
+            raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text",
+                                 param=f"{where}.content[{j}].text")
     return "".join(part.text or "" for part in content)

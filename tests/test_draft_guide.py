@@ -163,7 +163,8 @@ def test_a_guide_started_before_its_target_is_known_builds_once_attached(tiny_di
     from tandem.models import loading
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
-    target = TargetInfo("tiny", len(tokenizer), tokenizer_fingerprint(tokenizer), eos_token_ids=(tokenizer.eos_token_id,))
+    target = TargetInfo("tiny", len(tokenizer), tokenizer_fingerprint(tokenizer),
+                        eos_token_ids=(tokenizer.eos_token_id,))
     for attempt in ("records made", "records read"):
         guide = GrammarGuide(str(tiny_dir))
         guide.load()

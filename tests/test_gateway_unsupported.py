@@ -64,8 +64,9 @@ def test_every_refused_field_is_tested() -> None:
 
 
 @pytest.mark.parametrize("field", sorted(ASKS_AND_NEUTRAL))
-@pytest.mark.parametrize("request_type, base", [(ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION),
-                                                (ResponsesRequest, RESPONSES)], ids=["chat", "completions", "responses"])
+@pytest.mark.parametrize("request_type, base", [
+    (ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION), (ResponsesRequest, RESPONSES)],
+    ids=["chat", "completions", "responses"])
 def test_a_field_is_refused_by_name_where_it_asks_and_passes_where_neutral(request_type, base, field) -> None:
     asks, neutral = ASKS_AND_NEUTRAL[field]
     with pytest.raises(InvalidRequest) as refused:
