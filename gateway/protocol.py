@@ -23,7 +23,7 @@ from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.response_format import ResponseFormat
 from gateway.tools import NamedToolChoice, ToolCall, ToolCallDelta, ToolCallIn, ToolDef, tool_calling
-from gateway.unsupported import refuse_part, refuse_unsupported
+from gateway.unsupported import refuse_unsupported, text_of_parts
 from gateway.validation import PromptInput, RequestFields
 from tandem.rpc.types import MAX_TOP_LOGPROBS
 
@@ -60,17 +60,9 @@ class ChatMessageIn(_StrictBody):
     def to_message(self, where: str = "messages") -> ChatMessage:
         if isinstance(self.content, str):
             content = self.content
-        else:
-            texts = []
-            for j, part in enumerate(self.content or ()):
-                if part.type not in ("text", "refusal") or (part.type == "refusal" and self.role != "assistant"):
-                    raise refuse_part(part.type, f"{where}.content[{j}]")
-                text = part.text if part.type == "text" else part.refusal
-                if text is None:
-                    raise InvalidRequest(f"{where}.content[{j}]: a {part.type} part needs its {part.type}",
-                                         param=f"{where}.content[{j}].{part.type}")
-                texts.append(text)
-            content = "".join(texts)
+        else:  # an assistant's refusal part is read as its text
+            fields = {"text": "text", "refusal": "refusal"} if self.role == "assistant" else {"text": "text"}
+            content = text_of_parts(self.content or (), where, fields)
         calls = tuple(call.made(f"{where}.tool_calls[{i}]") for i, call in enumerate(self.tool_calls or ()))
         return ChatMessage(self.role, content, calls, self.tool_call_id)
 

@@ -22,7 +22,7 @@ from gateway.chat_template import ChatMessage, ToolCallMade
 from gateway.errors import InvalidRequest
 from gateway.response_format import ResponseFormat
 from gateway.tools import NamedToolChoice, ToolDef, tool_calling
-from gateway.unsupported import refuse_part, refuse_tool, refuse_unsupported
+from gateway.unsupported import refuse_tool, refuse_unsupported, text_of_parts
 from gateway.validation import RequestFields
 from tandem.rpc.types import Grammar
 
@@ -169,7 +169,9 @@ class ResponsesRequest(_Body):
             else:
                 if item.role is None:
                     raise InvalidRequest(f"{where}: a message needs a role", param=f"{where}.role")
-                out.append(ChatMessage(item.role, _text(item.content, where)))
+                content = item.content
+                out.append(ChatMessage(item.role, content if isinstance(content, str) else text_of_parts(
+                    content or (), where, {"input_text": "text", "output_text": "text"})))
         return out
 
     def _tools(self) -> list[ToolDef] | None:
@@ -202,16 +204,3 @@ class ResponsesRequest(_Body):
         except InvalidRequest as error:
             raise InvalidRequest(error.message.replace("response_format", "text.format"),
                                  param="text.format") from None
-
-
-def _text(content: str | list[InputText] | None, where: str) -> str:
-    """A message's text: the string, or its text parts joined (any other part refused by name)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text"):
-            raise refuse_part(part.type, f"{where}.content[{j}]")
-        if part.text is None:
-            raise InvalidRequest(f"{where}.content[{j}]: a text part needs its text",
-                                 param=f"{where}.content[{j}].text")
-    return "".join(part.text or "" for part in content)

@@ -15,7 +15,7 @@ Invariant: a request that passes :func:`refuse_unsupported` asks for nothing tan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -87,6 +87,23 @@ def refuse_unsupported(extra: Mapping[str, Any] | None) -> None:
         rule = REFUSED.get(name)
         if rule is not None and not rule[0](value):
             raise InvalidRequest(f"{name} is not supported by this server: {rule[1]}", param=name)
+
+
+def text_of_parts(parts: Sequence[Any], where: str, text_fields: Mapping[str, str]) -> str:
+    """The text of a message's content parts, joined. ``text_fields``: each part type read as text
+    and the field its text is in (``{"text": "text"}``); a part of any other type is refused by
+    name (:func:`refuse_part`), one without its text too."""
+    texts = []
+    for j, part in enumerate(parts):
+        field = text_fields.get(part.type)
+        if field is None:
+            raise refuse_part(part.type, f"{where}.content[{j}]")
+        text = getattr(part, field)
+        if text is None:
+            raise InvalidRequest(f"{where}.content[{j}]: a {part.type} part needs its {field}",
+                                 param=f"{where}.content[{j}].{field}")
+        texts.append(text)
+    return "".join(texts)
 
 
 def refuse_part(kind: str, where: str) -> InvalidRequest:

@@ -251,9 +251,9 @@ class RequestValidator:
 
     def _completion_prompt(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
+            if len(prompt) != 1:  # (requests reach validate one prompt at a time: prompt_batch)
                 raise InvalidRequest(
-                    f"prompt holds a batch of {len(prompt)} prompts; send one prompt per request", param="prompt"
+                    f"prompt holds a batch of {len(prompt)} prompts; validate each (prompt_batch)", param="prompt"
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):

@@ -55,7 +55,7 @@ BAD = [
     ("stream_smoothing invalid", prompt(stream_smoothing="smooth"), "stream_smoothing", "'off', 'auto'"),
     ("out-of-vocabulary token id", RequestFields(prompt=[1, 2, 300]), "prompt", "outside the vocabulary"),
     ("negative token id", RequestFields(prompt=[-1]), "prompt", "outside the vocabulary"),
-    ("batch of prompts", RequestFields(prompt=["a", "b"]), "prompt", "one prompt per request"),
+    ("batch of prompts", RequestFields(prompt=["a", "b"]), "prompt", "validate each (prompt_batch)"),
     ("unknown chat role", RequestFields(messages=[ChatMessage("wizard", "hi")]), "messages[0].role", "role"),
 ]
 
