@@ -58,6 +58,8 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         top_k=request.top_k if request.HasField("top_k") else None,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        include_stop_str_in_output=request.include_stop_str_in_output,
         # An enum value this build does not know is passed on as a number, which validation refuses.
         speculation=_SPECULATION.get(request.speculation, str(request.speculation)),
         num_speculative_tokens=(

@@ -35,7 +35,9 @@ class Output:
         self._metrics = metrics
         self._completion: list[int] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_token_ids)
-        self._stop = StopStringMatcher(request.stop)
+        self._stop = StopStringMatcher(request.stop, include=request.include_stop_str_in_output)
+        # A stop token's text is not the answer's (vLLM's rule; special tokens such as <end_of_turn> have none).
+        self._silent_stop_ids = frozenset(() if request.include_stop_str_in_output else request.stop_token_ids)
         self._stats = SpeculationStats()
         self._wants_logprobs = request.top_logprobs is not None
         self._cached_prompt_tokens = 0
@@ -70,9 +72,11 @@ class Output:
         logprobs = self._logprobs(batch)
         deltas: list[TextDelta] = []
         finish: str | None = None
+        last = len(batch.token_ids) - 1
         for i, token in enumerate(batch.token_ids):
             self._completion.append(token)
-            text = self._stop.push(self._detokenizer.push(token))
+            stopped_on = i == last and batch.finish_reason is FinishReason.STOP and token in self._silent_stop_ids
+            text = self._stop.push("" if stopped_on else self._detokenizer.push(token))
             deltas.append(TextDelta(text, (token,), logprobs[i : i + 1]))
             if self._stop.matched is not None:
                 finish = "stop"

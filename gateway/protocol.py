@@ -112,6 +112,10 @@ class _GenerationBody(_StrictBody):
     num_speculative_tokens: int | None = Field(None, description="draft length K for this request (1..64)")
     top_k: int | None = Field(None, description="sample from the k most likely tokens (0 = all)")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (vLLM's extension)")
+    include_stop_str_in_output: bool = Field(
+        False, description="return the stop string or stop token that ended the answer (vLLM's extension)"
+    )
     stream_smoothing: str | None = Field(
         None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
     )
@@ -138,6 +142,8 @@ class _GenerationBody(_StrictBody):
             seed=self.seed,
             n=self.n,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,
             ignore_eos=self.ignore_eos,

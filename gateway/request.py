@@ -40,7 +40,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
-    # Token ids that end generation besides the model's EOS (e.g. a chat end-of-turn token).
+    # Token ids that end generation besides the model's EOS (the client's, and a chat end-of-turn token).
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     speculation: Speculation
@@ -59,6 +59,8 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
     tool_calling: ToolCalling | None = None  # chat: the answer is tool calls (gateway.tools)
     prediction_token_ids: tuple[int, ...] = ()  # a predicted output the draft copies from (draft_service.prediction)
+    # The text of what stopped the answer (a stop string, a stop token that has text) is returned with it.
+    include_stop_str_in_output: bool = False
 
     @property
     def prompt_logprobs(self) -> bool:

@@ -2,7 +2,8 @@
 
 A stop string may arrive split across deltas ("<|en" + "d|>"), so text that could be the beginning
 of a stop string is held back until the next delta decides it. On a match the text before the stop
-string is released and the rest is dropped (OpenAI semantics: the stop string is not returned).
+string is released and the rest is dropped (OpenAI semantics: the stop string is not returned;
+vLLM's ``include_stop_str_in_output`` returns it too).
 When generation ends for another reason, :meth:`flush` releases the held-back text.
 """
 
@@ -12,16 +13,17 @@ from collections.abc import Sequence
 
 
 class StopStringMatcher:
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stop = tuple(stop)
+        self._include = include
         self._held = ""
         self.matched: str | None = None
 
     def push(self, text: str) -> str:
         """Adds a delta; returns the text that is now safe to emit. After a match (``matched`` is
-        set) it returns the text up to the stop string, then nothing."""
+        set) it returns the text up to the stop string (through it with ``include``), then nothing."""
         if self.matched is not None:
             return ""
         buffer = self._held + text
@@ -30,7 +32,7 @@ class StopStringMatcher:
         if hits:
             index, self.matched = min(hits)
             self._held = ""
-            return buffer[:index]
+            return buffer[: index + len(self.matched) if self._include else index]
         keep = self._longest_partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]

@@ -33,6 +33,8 @@ MAX_CHOICES = 16
 # OpenAI's default for /v1/completions; chat defaults to the gateway's setting.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_SPECULATIVE_TOKENS = 64
+# Each stop token id is checked against every committed token, in the target and the gateway.
+MAX_STOP_TOKEN_IDS = 64
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**64 - 1
 
@@ -54,6 +56,8 @@ class RequestFields:
     seed: int | None = None
     n: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the answer besides EOS (vLLM's extension)
+    include_stop_str_in_output: bool = False  # the matched stop string or stop token's text is returned
     speculation: str | None = None
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
@@ -92,16 +96,16 @@ class RequestValidator:
         sampling = self._sampling(fields)
         speculation, k = self._speculation(fields)
         stop = self._stop(fields.stop)
+        stop_token_ids = self._stop_token_ids(fields.stop_token_ids)
         if (fields.messages is None) == (fields.prompt is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
         if fields.messages is not None:
             prompt_ids, param = self.chat_prompt(fields.messages, calling=fields.tool_calling), "messages"
             stop += tuple(s for s in self._model.chat.stop_strings if s not in stop)
-            stop_token_ids = self._model.chat.stop_token_ids
+            stop_token_ids += tuple(t for t in self._model.chat.stop_token_ids if t not in stop_token_ids)
             default_max_tokens = self._default_chat_max_tokens
         else:
             prompt_ids, param = self._completion_prompt(fields.prompt), "prompt"
-            stop_token_ids = ()
             default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = self._max_tokens(fields.max_tokens, default_max_tokens, len(prompt_ids), param)
         return GenerationRequest(
@@ -110,6 +114,7 @@ class RequestValidator:
             sampling=sampling,
             stop=stop,
             stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=fields.include_stop_str_in_output,
             ignore_eos=fields.ignore_eos,
             speculation=speculation,
             num_speculative_tokens=k,
@@ -230,6 +235,17 @@ class RequestValidator:
         if any(not s for s in stop):
             raise InvalidRequest("stop strings must not be empty", param="stop")
         return tuple(dict.fromkeys(stop))
+
+    def _stop_token_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                                 param="stop_token_ids")
+        vocab = self._model.vocab_size
+        for token in ids:
+            if not 0 <= token < vocab:
+                raise InvalidRequest(f"stop_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
+                                     param="stop_token_ids")
+        return tuple(dict.fromkeys(ids))
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     calling: ToolCalling | None = None) -> list[int]:

@@ -13,7 +13,7 @@ import pytest
 from gateway.chat_template import ChatFormat, ChatMessage
 from gateway_fakes import SCRIPT_TEXT, fake_stack, speculations_cancelled
 
-from tandem.v1 import gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 CONTRACT_METRICS = [
     "tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
@@ -175,6 +175,43 @@ async def test_stop_strings_and_extension_fields(stack, sdk):
     await stack.wait_until_idle()
 
 
+
+async def test_stop_token_ids_end_the_answer_without_their_text_unless_asked(stack, tokenizer):
+    """vLLM's stop_token_ids reach the target's session (merged with the chat format's own), end the
+    answer with "stop" and count as generated; the stop token's text is returned only with
+    include_stop_str_in_output, which also returns a matched stop string."""
+    script = stack.model.script
+    k = next(i for i in range(3, len(script)) if script[i] not in script[:i])
+    stop_id = script[k]
+    for mode in ("on", "off"):
+        for include in (False, True):
+            body = {"prompt": "hi", "max_tokens": 30, "stop_token_ids": [stop_id], "speculation": mode,
+                    "include_stop_str_in_output": include}
+            answer = (await post(stack, "/v1/completions", body)).json()
+            assert list(stack.model.prefilled[-1].stop_token_ids) == [stop_id]
+            assert answer["choices"][0]["finish_reason"] == "stop", answer
+            assert answer["usage"]["completion_tokens"] == k + 1
+            assert answer["choices"][0]["text"] == tokenizer.decode(script[: k + 1 if include else k])
+    stop = tokenizer.decode(script[2:4])
+    answer = (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 30, "stop": [stop],
+                                                    "include_stop_str_in_output": True})).json()
+    assert answer["choices"][0]["text"] == SCRIPT_TEXT[: SCRIPT_TEXT.index(stop) + len(stop)]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop_token_ids": [9, 7, 9]}
+    assert (await post(stack, "/v1/chat/completions", chat)).status_code == 200
+    assert list(stack.model.prefilled[-1].stop_token_ids)[:2] == [9, 7]
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=30, stop_token_ids=[stop_id])
+        chunks = [c async for c in stub.Generate(request)]
+        assert "".join(c.text for c in chunks) == tokenizer.decode(script[:k])
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            bad = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", stop_token_ids=[10**9])
+            [c async for c in stub.Generate(bad)]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in refused.value.details()
+    await stack.wait_until_idle()
+
+
 # Each case: (name, body or raw bytes, param expected in the error or None)
 BAD_HTTP = [
     ("malformed JSON", b"{not json", None),
@@ -214,6 +251,12 @@ BAD_HTTP = [
     ("presence_penalty 2.5", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty -3", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ("logit_bias wrong type", {"prompt": "hi", "logit_bias": [5]}, "logit_bias"),
+    ("stop_token_ids outside the vocabulary", {"prompt": "hi", "stop_token_ids": [1000000000]}, "stop_token_ids"),
+    ("stop_token_ids negative", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("stop_token_ids too many", {"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ("stop_token_ids not ids", {"prompt": "hi", "stop_token_ids": ["</s>"]}, "stop_token_ids"),
+    ("include_stop_str_in_output not a bool", {"prompt": "hi", "include_stop_str_in_output": 1},
+     "include_stop_str_in_output"),
 ]
 BAD_CHAT = [
     ("missing messages", {"max_tokens": 4}, "messages"),

@@ -54,3 +54,9 @@ def test_without_stop_strings_everything_passes_through():
 def test_empty_stop_string_is_refused():
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def test_include_returns_the_matched_stop_string_with_the_text_before_it():
+    matcher = StopStringMatcher(["STOP", "OP a"], include=True)
+    assert [matcher.push(d) for d in ["Hello S", "TOP and more", "x"]] == ["Hello ", "STOP", ""]
+    assert matcher.matched == "STOP"

@@ -38,8 +38,6 @@ ASKS_AND_NEUTRAL = {
     "use_beam_search": (True, False),
     "bad_words": (["x"], []),
     "min_tokens": (8, 0),
-    "stop_token_ids": ([1], []),
-    "include_stop_str_in_output": (True, False),
     "truncate_prompt_tokens": (100, None),
     "prompt_logprobs": (1, None),
     "guided_json": ({"type": "object"}, None),
