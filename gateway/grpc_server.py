@@ -60,6 +60,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        min_tokens=request.min_tokens,
         # An enum value this build does not know is passed on as a number, which validation refuses.
         speculation=_SPECULATION.get(request.speculation, str(request.speculation)),
         num_speculative_tokens=(

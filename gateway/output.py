@@ -38,6 +38,7 @@ class Output:
         self._stop = StopStringMatcher(request.stop, include=request.include_stop_str_in_output)
         # A stop token's text is not the answer's (vLLM's rule; special tokens such as <end_of_turn> have none).
         self._silent_stop_ids = frozenset(() if request.include_stop_str_in_output else request.stop_token_ids)
+        self._min_tokens = request.min_tokens  # the answer's first tokens' text is not looked at for stop strings
         self._stats = SpeculationStats()
         self._wants_logprobs = request.top_logprobs is not None
         self._cached_prompt_tokens = 0
@@ -76,7 +77,8 @@ class Output:
         for i, token in enumerate(batch.token_ids):
             self._completion.append(token)
             stopped_on = i == last and batch.finish_reason is FinishReason.STOP and token in self._silent_stop_ids
-            text = self._stop.push("" if stopped_on else self._detokenizer.push(token))
+            piece = "" if stopped_on else self._detokenizer.push(token)
+            text = piece if len(self._completion) <= self._min_tokens else self._stop.push(piece)
             deltas.append(TextDelta(text, (token,), logprobs[i : i + 1]))
             if self._stop.matched is not None:
                 finish = "stop"

@@ -116,6 +116,7 @@ class _GenerationBody(_StrictBody):
     include_stop_str_in_output: bool = Field(
         False, description="return the stop string or stop token that ended the answer (vLLM's extension)"
     )
+    min_tokens: int | None = Field(None, description="tokens generated before a stop may end the answer (vLLM's)")
     stream_smoothing: str | None = Field(
         None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
     )
@@ -144,6 +145,7 @@ class _GenerationBody(_StrictBody):
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,
             ignore_eos=self.ignore_eos,

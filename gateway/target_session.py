@@ -98,6 +98,8 @@ class TargetSession:
             # A session moved or resynced goes on from the text the client has: its grammar and
             # penalties count that text.
             continued_tokens=self.prompt_len - len(request.prompt_token_ids),
+            # Like the budget, the floor counts this session's own tokens.
+            min_tokens=max(0, request.min_tokens - (self.prompt_len - len(request.prompt_token_ids))),
         )
 
     async def open(self) -> Batch:

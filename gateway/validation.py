@@ -58,6 +58,7 @@ class RequestFields:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the answer besides EOS (vLLM's extension)
     include_stop_str_in_output: bool = False  # the matched stop string or stop token's text is returned
+    min_tokens: int | None = None  # the answer's first tokens are never a stop (vLLM's extension)
     speculation: str | None = None
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
@@ -108,6 +109,10 @@ class RequestValidator:
             prompt_ids, param = self._completion_prompt(fields.prompt), "prompt"
             default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = self._max_tokens(fields.max_tokens, default_max_tokens, len(prompt_ids), param)
+        min_tokens = fields.min_tokens or 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {min_tokens}",
+                                 param="min_tokens")
         return GenerationRequest(
             prompt_token_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
@@ -115,6 +120,7 @@ class RequestValidator:
             stop=stop,
             stop_token_ids=stop_token_ids,
             include_stop_str_in_output=fields.include_stop_str_in_output,
+            min_tokens=min_tokens,
             ignore_eos=fields.ignore_eos,
             speculation=speculation,
             num_speculative_tokens=k,
@@ -165,9 +171,10 @@ class RequestValidator:
         """The request's grammar, or its tool calls' (gateway.tools); the target compiles it (and refuses
         one that does not compile)."""
         grammar = fields.grammar if fields.tool_calling is None else fields.tool_calling.grammar()
-        if grammar is not None and fields.ignore_eos:
-            raise InvalidRequest("ignore_eos cannot be combined with structured output: the text ends when it is "
-                                 "complete", param="ignore_eos")
+        for name in ("ignore_eos", "min_tokens"):
+            if grammar is not None and getattr(fields, name):
+                raise InvalidRequest(f"{name} cannot be combined with structured output: the text ends when it is "
+                                     "complete", param=name)
         if grammar is not None and len(grammar.spec) > MAX_GRAMMAR_CHARS:
             where = "response_format" if fields.tool_calling is None else "tools"
             raise InvalidRequest(f"{where}: the schema, regex or grammar has {len(grammar.spec)} characters, more "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.telemetry.metrics import Metrics
-from target_service import acceptance, kv_cache, tree
+from target_service import acceptance, kv_cache, min_tokens, tree
 from target_service.logprobs import token_logprobs
 from target_service.types import (
     DraftBlock,
@@ -255,13 +255,17 @@ class Planner:
     def _allowed(
         self, session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
     ) -> RowScores:
-        """The scores a session's tokens are taken from: its logits penalised at each row
-        (``target_service.penalties``), and with what its grammar forbids there masked out
-        (``target_service.grammar``), where it has them; the scores as they are otherwise.
-        Log-probabilities stay the model's own, from the logits before either."""
-        if session.constraint is None and session.penalties is None and session.logit_bias is None:
+        """The scores a session's tokens are taken from: its logits without stop tokens where
+        ``min_tokens`` holds them back (``target_service.min_tokens``), biased and penalised at each
+        row (``target_service.logit_bias``, ``target_service.penalties``), and with what its grammar
+        forbids there masked out (``target_service.grammar``), where it has them; the scores as they
+        are otherwise. Log-probabilities stay the model's own, from the logits before any of these."""
+        if not session.reshapes_logits:
             return scores
         logits = scores.logits
+        if session.holds_stops:
+            stops = set(session.config.stop_token_ids) | (set() if session.config.ignore_eos else set(self._eos))
+            logits = min_tokens.masked(logits, session.generated, session.config.min_tokens, stops, parents)
         if session.logit_bias is not None:
             logits = session.logit_bias.applied(logits)  # [rows, vocab]
         if session.penalties is not None:

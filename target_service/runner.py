@@ -130,7 +130,7 @@ class ModelRunner:
         return (
             self.greedy_head is not None
             and session.config.top_logprobs is None
-            and not session.config.reshapes_logits
+            and not session.reshapes_logits
             and bool(is_greedy(session.sampling.temperature)[0])
         )
 
@@ -282,7 +282,7 @@ class ModelRunner:
             and logits.dim() == 2
             and logits.shape[1] > 0
             and logits.stride(1) == 1
-            and not step.session.config.reshapes_logits  # its argmax is over masked, penalised or biased logits
+            and not step.session.reshapes_logits  # its argmax is over masked, penalised or biased logits
             and bool(is_greedy(step.session.sampling.temperature)[0])
         )
 

@@ -49,6 +49,7 @@ class SessionConfig:
     frequency_penalty: float = 0.0
     continued_tokens: int = 0  # the prompt's last tokens that are this generation's output so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
+    min_tokens: int = 0  # the session's first tokens that are never stop tokens (target_service.min_tokens)
 
     @property
     def penalized(self) -> bool:
@@ -77,6 +78,7 @@ class SessionConfig:
             frequency_penalty=params.frequency_penalty,
             continued_tokens=params.continued_tokens,
             logit_bias=params.logit_bias,
+            min_tokens=params.min_tokens,
         )
 
 
@@ -122,6 +124,17 @@ class Session:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether the next token is among the first ``min_tokens``, which are never stop tokens."""
+        return self.generated < self.config.min_tokens
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether the next tokens are chosen from logits other than the model's (its config's
+        reshaping, or stop tokens held back by ``min_tokens``)."""
+        return self.config.reshapes_logits or self.holds_stops
 
     @property
     def remaining(self) -> int:

@@ -60,6 +60,12 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
     if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
                               f"{MAX_GRAMMAR_CHARS} this server compiles")
+    if not 0 <= config.min_tokens <= config.max_new_tokens:
+        raise InvalidArgument(f"min_tokens must be in [0, max_new_tokens = {config.max_new_tokens}], got "
+                              f"{config.min_tokens}")
+    if config.grammar is not None and config.min_tokens:
+        raise InvalidArgument("min_tokens cannot be combined with a grammar: a constrained session ends when its "
+                              "text is complete")
     if config.grammar is not None and config.ignore_eos:
         raise InvalidArgument("ignore_eos cannot be combined with a grammar: a constrained session ends when its "
                               "text is complete")

@@ -212,6 +212,25 @@ async def test_stop_token_ids_end_the_answer_without_their_text_unless_asked(sta
     await stack.wait_until_idle()
 
 
+
+async def test_min_tokens_reaches_the_target_and_stop_strings_wait_for_it(stack, tokenizer):
+    """vLLM's min_tokens goes to the target's session (which masks its stops); stop strings are
+    looked for only in the text after the first min_tokens tokens, speculating or not."""
+    script = stack.model.script
+    m = next(i for i in range(1, len(script)) if "Hello" in tokenizer.decode(script[:i]))
+    after = len(tokenizer.decode(script[:m]))
+    for mode in ("on", "off"):
+        body = {"prompt": "hi", "max_tokens": 40, "stop": ["o"], "min_tokens": m, "speculation": mode}
+        answer = (await post(stack, "/v1/completions", body)).json()
+        assert stack.model.prefilled[-1].min_tokens == m
+        assert answer["choices"][0]["text"] == SCRIPT_TEXT[: SCRIPT_TEXT.index("o", after)], answer
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=8, min_tokens=3)
+        [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+    assert stack.model.prefilled[-1].min_tokens == 3
+    await stack.wait_until_idle()
+
+
 # Each case: (name, body or raw bytes, param expected in the error or None)
 BAD_HTTP = [
     ("malformed JSON", b"{not json", None),
@@ -257,6 +276,8 @@ BAD_HTTP = [
     ("stop_token_ids not ids", {"prompt": "hi", "stop_token_ids": ["</s>"]}, "stop_token_ids"),
     ("include_stop_str_in_output not a bool", {"prompt": "hi", "include_stop_str_in_output": 1},
      "include_stop_str_in_output"),
+    ("min_tokens past max_tokens", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("min_tokens negative", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
 ]
 BAD_CHAT = [
     ("missing messages", {"max_tokens": 4}, "messages"),
@@ -277,6 +298,8 @@ BAD_CHAT = [
                                   "response_format": {"type": "regex"}}, "response_format"),
     ("structured output with ignore_eos", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
                                            "response_format": {"type": "json_object"}}, "ignore_eos"),
+    ("structured output with min_tokens", {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 2,
+                                           "response_format": {"type": "json_object"}}, "min_tokens"),
     ("regex too long to compile", {"messages": [{"role": "user", "content": "hi"}],
                                    "response_format": {"type": "regex", "regex": "a" * 70000}}, "response_format"),
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},

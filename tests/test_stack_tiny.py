@@ -206,6 +206,28 @@ def test_logit_bias_bans_tokens_and_speculation_keeps_the_answer(stack) -> None:
     assert answers["on"] == answers["off"] and over_grpc["on"] == over_grpc["off"]
 
 
+def test_stop_token_ids_and_min_tokens_end_the_answer_alike_speculating_or_not(stack) -> None:
+    """A stop token id ends the greedy answer where it first appears (its text left out); with
+    min_tokens it cannot appear in the first tokens, which changes the answer the same way
+    speculating or not."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    ids, _, _ = grpc_generate(stack, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                              speculation=common_pb2.SPECULATION_MODE_OFF, ignore_eos=True)
+    stop = ids[2]
+    first = ids.index(stop)
+    answers = {}
+    for speculation in ("on", "off"):
+        for floor in (0, first + 2):
+            done = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                             extra_body={"speculation": speculation, "ignore_eos": True,
+                                                         "stop_token_ids": [stop], "min_tokens": floor})
+            answers[speculation, floor] = (done.choices[0].text, done.usage.completion_tokens)
+    assert answers["on", 0] == answers["off", 0]
+    assert answers["off", 0][1] == first + 1  # the stop token counts
+    assert answers["on", first + 2] == answers["off", first + 2] != answers["off", 0]
+    assert answers["off", first + 2][1] > first + 2
+
+
 SETTINGS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "loud": {"type": "boolean"}},
             "required": ["unit", "loud"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "set_units", "parameters": SETTINGS}},

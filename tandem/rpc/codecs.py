@@ -92,6 +92,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         frequency_penalty=message.frequency_penalty,
         continued_tokens=message.continued_tokens,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        min_tokens=message.min_tokens,
     )
 
 
@@ -107,6 +108,7 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         frequency_penalty=params.frequency_penalty,
         continued_tokens=params.continued_tokens,
         logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
 
 

@@ -98,6 +98,9 @@ class SessionParams:
     # OpenAI's logit_bias: (token id, bias) pairs in increasing token id order, each bias in
     # [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] added to that token's logit at every step. (): none.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: the session's first min_tokens tokens (counted like max_new_tokens) are not
+    # stop tokens (EOS unless ignore_eos, and stop_token_ids): their logits are masked. 0: none.
+    min_tokens: int = 0
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
