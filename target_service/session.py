@@ -127,8 +127,10 @@ class Session:
 
     @property
     def holds_stops(self) -> bool:
-        """Whether the next token is among the first ``min_tokens``, which are never stop tokens."""
-        return self.generated < self.config.min_tokens
+        """Whether the next token is among the first ``min_tokens``, which are never stop tokens (a
+        session that ignores EOS and has no stop token ids has none to hold back)."""
+        has_stops = not self.config.ignore_eos or bool(self.config.stop_token_ids)
+        return has_stops and self.generated < self.config.min_tokens
 
     @property
     def reshapes_logits(self) -> bool:

@@ -80,6 +80,11 @@ def test_stop_token_ids_are_held_back_too_and_the_greedy_head_takes_over(quantiz
     assert stop not in tokens[:3] and tokens[0] != plain[0]
     for seed in range(2):
         assert speculate(engine, prompt, config, f"sp{seed}", random.Random(seed), plain) == tokens
+    # With nothing to hold back (EOS ignored, no stop ids) a floor leaves the greedy head on.
+    engine.prefill("free", prompt, SessionConfig(max_new_tokens=8, ignore_eos=True, min_tokens=8))
+    held = SessionConfig(max_new_tokens=8, ignore_eos=True, stop_token_ids=(stop,), min_tokens=8)
+    engine.prefill("held", prompt, held)
+    assert engine.runner.screens(engine.store.get("free")) and not engine.runner.screens(engine.store.get("held"))
 
 
 def test_sampled_tokens_follow_the_floored_distribution_speculative_or_not(tiny_dir) -> None:
