@@ -71,6 +71,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
         presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
         frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
         logit_bias=dict(request.logit_bias),
         prediction=request.prediction or None,
     )

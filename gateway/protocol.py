@@ -106,6 +106,7 @@ class _GenerationBody(_StrictBody):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="HF transformers', vLLM's and TGI's, (0, 2]; 1: none")
     logit_bias: dict[str, float] | None = None
     # tandem extensions (values checked in gateway.validation, shared with gRPC)
     speculation: str | None = Field(None, description='"auto" (default), "on" or "off"')
@@ -135,6 +136,7 @@ class _GenerationBody(_StrictBody):
             grammar=None if self.response_format is None else self.response_format.to_grammar(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             model=self.model,
             max_tokens=max_tokens,
             temperature=self.temperature,

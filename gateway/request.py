@@ -56,6 +56,7 @@ class GenerationRequest:
     grammar: Grammar | None = None  # structured output (target_service.grammar)
     presence_penalty: float = 0.0  # OpenAI's penalties (target_service.penalties)
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF transformers', vLLM's and TGI's (target_service.penalties)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
     tool_calling: ToolCalling | None = None  # chat: the answer is tool calls (gateway.tools)
     prediction_token_ids: tuple[int, ...] = ()  # a predicted output the draft copies from (draft_service.prediction)

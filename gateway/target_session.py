@@ -94,6 +94,7 @@ class TargetSession:
             request.grammar,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
             logit_bias=request.logit_bias,
             # A session moved or resynced goes on from the text the client has: its grammar and
             # penalties count that text.

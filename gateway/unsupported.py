@@ -37,7 +37,8 @@ def _text_only(value: Any) -> bool:
 
 
 _STRUCTURED = "use response_format (json_schema, regex or grammar; see docs/structured-output.md)"
-_SAMPLING = "this server samples with temperature, top_p, top_k, the penalties and logit_bias only"
+_SAMPLING = ("this server samples with temperature, top_p, top_k, logit_bias and the presence, frequency and "
+             "repetition penalties only")
 
 # field: (is its value neutral, what to tell the client)
 REFUSED: dict[str, tuple[Neutral, str]] = {
@@ -52,8 +53,8 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "typical_p": (_equal_to(1), _SAMPLING),
     "tfs_z": (_equal_to(1), _SAMPLING),
     "top_a": (_equal_to(0), _SAMPLING),
-    "repetition_penalty": (_equal_to(1), f"{_SAMPLING} (presence_penalty and frequency_penalty penalise repeats)"),
-    "repeat_penalty": (_equal_to(1), f"{_SAMPLING} (presence_penalty and frequency_penalty penalise repeats)"),
+    "repeat_penalty": (_equal_to(1), "llama.cpp's repeat_penalty looks at the last tokens only; send "
+                                     "repetition_penalty, which penalises repeats of the whole text"),
     "mirostat": (_equal_to(0), _SAMPLING),
     "mirostat_mode": (_equal_to(0), _SAMPLING),
     "dry_multiplier": (_equal_to(0), _SAMPLING),

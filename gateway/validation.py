@@ -22,6 +22,7 @@ from tandem.rpc.types import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
     MAX_PREDICTION_TOKENS,
+    MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
     Grammar,
 )
@@ -69,6 +70,7 @@ class RequestFields:
     grammar: Grammar | None = None  # structured output: the text is a sentence of this grammar
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # HF transformers', vLLM's and TGI's; None: 1 (none)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
@@ -131,6 +133,7 @@ class RequestValidator:
             grammar=self._grammar(fields),
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
+            repetition_penalty=self._repetition_penalty(fields.repetition_penalty),
             logit_bias=self._logit_bias(fields.logit_bias),
             tool_calling=fields.tool_calling,
             prediction_token_ids=self._prediction(fields.prediction),
@@ -164,6 +167,14 @@ class RequestValidator:
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
             raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}",
                                  param=name)
+        return value
+
+    @staticmethod
+    def _repetition_penalty(value: float | None) -> float:
+        value = 1.0 if value is None else value
+        if not (math.isfinite(value) and 0 < value <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest(f"repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
+                                 f"(1: none), got {value}", param="repetition_penalty")
         return value
 
     @staticmethod

@@ -192,7 +192,7 @@ class TargetEngine:
         penalties = None
         if config.penalized:
             penalties = Penalties(config.presence_penalty, config.frequency_penalty, self.vocab_size, self.device,
-                                  generated)
+                                  generated, repetition=config.repetition_penalty, prompt=prompt_token_ids)
         # A prompt that begins as an ended session's tokens did starts from a copy of their cache;
         # not where every prompt position's hidden state or score is asked for (they are not kept).
         found = None

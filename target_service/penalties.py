@@ -1,14 +1,19 @@
-"""OpenAI's presence and frequency penalties, applied to every row a session scores.
+"""Penalties on repeats, applied to every row a session scores: OpenAI's presence and frequency
+penalties, and the repetition penalty of HF transformers, vLLM and TGI.
 
-A token's logit loses ``presence_penalty`` if the generated text holds it and ``frequency_penalty``
-for each time it does (the prompt does not count, as in OpenAI's API and vLLM), before temperature,
-top-k and top-p. The generated text of a row is the session's generated tokens, then, for row
-i + 1 of a block, the drafts on draft i's path: so each row of a chain or token tree is scored as
-the one-token step at its position would be, and speculation keeps the penalised distribution
-(greedy: its argmax; sampled: the verifier's rules on the penalised logits).
+A token the generated text holds loses ``presence_penalty`` from its logit once and
+``frequency_penalty`` for each time it does (the prompt does not count, as in OpenAI's API and
+vLLM). A token the prompt or the generated text holds has its logit divided by
+``repetition_penalty`` where positive and multiplied by it where negative (CTRL's rule, as those
+servers apply it), before the other two; all before temperature, top-k and top-p. The generated
+text of a row is the session's generated tokens, then, for row i + 1 of a block, the drafts on
+draft i's path: so each row of a chain or token tree is scored as the one-token step at its
+position would be, and speculation keeps the penalised distribution (greedy: its argmax; sampled:
+the verifier's rules on the penalised logits).
 
 Invariant: ``counts`` holds each token's occurrences in the session's generated tokens (its
-continued prompt tokens included), advanced only by committed tokens.
+continued prompt tokens included) and ``seen`` the tokens of its prompt and generated tokens,
+both advanced only by committed tokens.
 """
 
 from __future__ import annotations
@@ -22,37 +27,53 @@ ROOT = -1
 
 
 class Penalties:
-    """One session's penalties and the counts of its generated tokens."""
+    """One session's penalties, the counts of its generated tokens and the tokens it has seen."""
 
     def __init__(self, presence: float, frequency: float, vocab_size: int, device: str,
-                 generated: Sequence[int] = ()) -> None:
+                 generated: Sequence[int] = (), repetition: float = 1.0, prompt: Sequence[int] = ()) -> None:
         self.presence = presence
         self.frequency = frequency
+        self.repetition = repetition
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [vocab]
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        self.seen[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
         self.advance(generated)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Counts newly committed tokens."""
         for token, n in Counter(int(t) for t in tokens).items():
             self.counts[token] += n
+            self.seen[token] = True
 
     def applied(self, logits: torch.Tensor, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
                 ) -> torch.Tensor:
         """A copy of ``logits`` [1 + len(drafts), vocab] penalised: row 0 after the generated tokens,
         row i + 1 after draft i's path as well (``parents``: each draft's parent, an earlier draft's
         index or ``ROOT``; None: a chain)."""
-        base = self.presence * (self.counts > 0).float() + self.frequency * self.counts  # [vocab]
-        out = logits.float() - base  # [rows, vocab]
         if parents is None:
             parents = [i - 1 if i else ROOT for i in range(len(drafts))]
-        for i in range(len(drafts)):
-            path: Counter[int] = Counter()
-            node = i
-            while node != ROOT:
-                path[int(drafts[node])] += 1
-                node = parents[node]
+        paths = [_path(i, drafts, parents) for i in range(len(drafts))]
+        out = logits.float()  # [rows, vocab]
+        if self.repetition != 1.0:
+            seen = self.seen.expand(out.shape[0], -1).clone()  # [rows, vocab]
+            for i, path in enumerate(paths):
+                seen[i + 1, list(path)] = True
+            scaled = torch.where(out > 0, out / self.repetition, out * self.repetition)  # [rows, vocab]
+            out = torch.where(seen, scaled, out)  # [rows, vocab]
+        base = self.presence * (self.counts > 0).float() + self.frequency * self.counts  # [vocab]
+        out = out - base  # [rows, vocab]
+        for i, path in enumerate(paths):
             for token, n in path.items():
                 before = float(self.counts[token])
                 extra = self.frequency * n + (self.presence if before == 0 else 0.0)
                 out[i + 1, token] -= extra
         return out
+
+
+def _path(node: int, drafts: Sequence[int], parents: Sequence[int]) -> Counter[int]:
+    """The drafts on the path from the root to ``node``, counted."""
+    path: Counter[int] = Counter()
+    while node != ROOT:
+        path[int(drafts[node])] += 1
+        node = parents[node]
+    return path

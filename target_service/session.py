@@ -50,10 +50,11 @@ class SessionConfig:
     continued_tokens: int = 0  # the prompt's last tokens that are this generation's output so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
     min_tokens: int = 0  # the session's first tokens that are never stop tokens (target_service.min_tokens)
+    repetition_penalty: float = 1.0  # (target_service.penalties)
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def reshapes_logits(self) -> bool:
@@ -79,6 +80,7 @@ class SessionConfig:
             continued_tokens=params.continued_tokens,
             logit_bias=params.logit_bias,
             min_tokens=params.min_tokens,
+            repetition_penalty=params.repetition_penalty,
         )
 
 

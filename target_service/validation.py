@@ -8,7 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tandem.rpc.types import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+from tandem.rpc.types import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 from target_service.types import DraftBlock
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
@@ -51,6 +57,9 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
         value = getattr(config, name)
         if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
             raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    repetition = config.repetition_penalty
+    if not (math.isfinite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY):
+        raise InvalidArgument(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition}")
     for token, bias in config.logit_bias:
         if not 0 <= token < vocab_size:
             raise InvalidArgument(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})")

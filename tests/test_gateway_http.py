@@ -278,6 +278,8 @@ BAD_HTTP = [
      "include_stop_str_in_output"),
     ("min_tokens past max_tokens", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("min_tokens negative", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ("repetition_penalty 0", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("repetition_penalty 3", {"prompt": "hi", "repetition_penalty": 3}, "repetition_penalty"),
 ]
 BAD_CHAT = [
     ("missing messages", {"max_tokens": 4}, "messages"),
@@ -368,16 +370,19 @@ async def test_penalties_reach_the_target_from_http_and_grpc(stack):
     """OpenAI's presence and frequency penalties go to the target's session as they were sent
     (HTTP), or as the gRPC request's optional fields; unset, 0."""
     body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "presence_penalty": 0.5, "frequency_penalty": -1.25}
+            "presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.25}
     assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
     params = stack.model.prefilled[-1]
-    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.25, 1.25)
     assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2})).status_code == 200
-    assert (stack.model.prefilled[-1].presence_penalty, stack.model.prefilled[-1].frequency_penalty) == (0, 0)
+    params = stack.model.prefilled[-1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
     async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
-        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75)
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75,
+                                                            repetition_penalty=0.5)
         [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
-    assert (stack.model.prefilled[-1].presence_penalty, stack.model.prefilled[-1].frequency_penalty) == (0, 0.75)
+    params = stack.model.prefilled[-1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0.75, 0.5)
     await stack.wait_until_idle()
 
 

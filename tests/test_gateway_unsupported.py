@@ -29,7 +29,6 @@ ASKS_AND_NEUTRAL = {
     "typical_p": (0.9, 1.0),
     "tfs_z": (0.95, 1),
     "top_a": (0.1, 0),
-    "repetition_penalty": (1.1, 1.0),
     "repeat_penalty": (True, 1),  # True is not 1
     "mirostat": (2, 0),
     "mirostat_mode": (1, 0),

@@ -179,7 +179,8 @@ def test_penalties_change_the_answer_and_speculation_keeps_it(stack) -> None:
         for penalty in (0.0, 1.5):
             done = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=40, temperature=0,
                                              frequency_penalty=penalty, presence_penalty=penalty / 2,
-                                             extra_body={"speculation": speculation, "ignore_eos": True})
+                                             extra_body={"speculation": speculation, "ignore_eos": True,
+                                                         "repetition_penalty": 1 + penalty / 3})
             answers[speculation, penalty] = done.choices[0].text
     assert answers["on", 1.5] == answers["off", 1.5] and answers["on", 0.0] == answers["off", 0.0]
     assert answers["off", 1.5] != answers["off", 0.0]

@@ -93,6 +93,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         continued_tokens=message.continued_tokens,
         logit_bias=tuple(sorted(message.logit_bias.items())),
         min_tokens=message.min_tokens,
+        repetition_penalty=message.repetition_penalty or 1.0,  # unset on the wire: none
     )
 
 
@@ -109,6 +110,7 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         continued_tokens=params.continued_tokens,
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
     )
 
 

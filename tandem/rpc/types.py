@@ -101,6 +101,10 @@ class SessionParams:
     # vLLM's min_tokens: the session's first min_tokens tokens (counted like max_new_tokens) are not
     # stop tokens (EOS unless ignore_eos, and stop_token_ids): their logits are masked. 0: none.
     min_tokens: int = 0
+    # The repetition penalty of HF transformers, vLLM and TGI, in (0, MAX_REPETITION_PENALTY]: the logit
+    # of each token the prompt or the generated text holds is divided by it where positive, multiplied
+    # by it where negative. 1: none.
+    repetition_penalty: float = 1.0
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
@@ -108,6 +112,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 # few KB, a second or two with a 262k vocabulary), so a larger one is refused before it is compiled.
 MAX_GRAMMAR_CHARS = 65536
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
+MAX_REPETITION_PENALTY = 2.0  # a repetition penalty is in (0, MAX_REPETITION_PENALTY]
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 MAX_PREDICTION_TOKENS = 65536  # the longest predicted output a draft copies from (an answer longer is not asked for)
 
