@@ -38,12 +38,17 @@ class Penalties:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
         self.seen[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
         self.advance(generated)
+        self.seen_ids = self.seen.nonzero().squeeze(1)  # [seen] the seen tokens, in id order
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Counts newly committed tokens."""
+        new = False
         for token, n in Counter(int(t) for t in tokens).items():
             self.counts[token] += n
+            new = new or not self.seen[token]
             self.seen[token] = True
+        if new:
+            self.seen_ids = self.seen.nonzero().squeeze(1)  # [seen]
 
     def applied(self, logits: torch.Tensor, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
                 ) -> torch.Tensor:
@@ -53,21 +58,24 @@ class Penalties:
         if parents is None:
             parents = [i - 1 if i else ROOT for i in range(len(drafts))]
         paths = [_path(i, drafts, parents) for i in range(len(drafts))]
-        out = logits.float()  # [rows, vocab]
-        if self.repetition != 1.0:
-            seen = self.seen.expand(out.shape[0], -1).clone()  # [rows, vocab]
-            for i, path in enumerate(paths):
-                seen[i + 1, list(path)] = True
-            scaled = torch.where(out > 0, out / self.repetition, out * self.repetition)  # [rows, vocab]
-            out = torch.where(seen, scaled, out)  # [rows, vocab]
         base = self.presence * (self.counts > 0).float() + self.frequency * self.counts  # [vocab]
-        out = out - base  # [rows, vocab]
+        out = logits.float() - base  # [rows, vocab]
+        if self.repetition != 1.0:  # on the seen tokens' columns only (a few hundred of the vocabulary)
+            ids = self.seen_ids  # [seen]
+            out[:, ids] = self._repeated(logits[:, ids].float()) - base[ids]  # [rows, seen]
+            for i, path in enumerate(paths):
+                new = [t for t in path if not self.seen[t]]
+                out[i + 1, new] = self._repeated(logits[i + 1, new].float()) - base[new]  # [new]
         for i, path in enumerate(paths):
             for token, n in path.items():
                 before = float(self.counts[token])
                 extra = self.frequency * n + (self.presence if before == 0 else 0.0)
                 out[i + 1, token] -= extra
         return out
+
+    def _repeated(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of tokens seen before, repetition-penalised (divided where positive, else multiplied)."""
+        return torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
 
 
 def _path(node: int, drafts: Sequence[int], parents: Sequence[int]) -> Counter[int]:
