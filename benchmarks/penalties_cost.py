@@ -1,16 +1,19 @@
-"""What presence and frequency penalties (or a logit bias) cost, and that speculation keeps them: a
-running stack's completions with and without them, speculative and autoregressive, interleaved per
-prompt.
+"""What presence and frequency penalties (or a repetition penalty, a logit bias, a min_tokens floor)
+cost, and that speculation keeps them: a running stack's completions with and without them,
+speculative and autoregressive, interleaved per prompt.
 
 Per prompt of the bench set, greedy, ``ignore_eos``, each of four lanes in turn (``on``/``off`` x
 without/with ``frequency_penalty: F``, ``presence_penalty: F / 2``), alternating their order: tokens
 per second of each lane over the run, their ratios, and in how many prompts the speculative and the
 autoregressive answers under the penalties were the same text. ``--ban WORD ...`` measures
-``logit_bias`` instead: -100 on each token of those words (ids from the server's ``/tokenize``).
+``logit_bias`` instead: -100 on each token of those words (ids from the server's ``/tokenize``);
+``--repetition R`` the ``repetition_penalty`` R; ``--floor`` ``min_tokens`` at ``max_tokens`` without
+``ignore_eos`` (the end-of-sequence token held back on every row).
 
     tandem serve &   # or any stack
     python benchmarks/penalties_cost.py --url http://127.0.0.1:8000 --limit 12 --max-tokens 64
     python benchmarks/penalties_cost.py --ban " the" " a" "," --limit 12
+    python benchmarks/penalties_cost.py --repetition 1.1 --limit 12
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--penalty", type=float, default=1.0, help="frequency_penalty (presence_penalty: half)")
     parser.add_argument("--ban", nargs="+", metavar="WORD", help="measure logit_bias -100 on these words' tokens")
+    parser.add_argument("--repetition", type=float, help="measure this repetition_penalty instead")
+    parser.add_argument("--floor", action="store_true", help="measure min_tokens = --max-tokens (EOS held back)")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.limit]
@@ -59,8 +64,12 @@ def main() -> None:
                 answer = client.post("/tokenize", json={"prompt": word, "add_special_tokens": False})
                 ids.update(answer.raise_for_status().json()["tokens"])
             what, shaping = f"logit_bias ({len(ids)} tokens banned)", {"logit_bias": {str(t): -100 for t in ids}}
+        elif args.repetition is not None:
+            what, shaping = f"repetition_penalty {args.repetition:g}", {"repetition_penalty": args.repetition}
+        elif args.floor:
+            what, shaping = "min_tokens at max_tokens", {"min_tokens": args.max_tokens, "ignore_eos": False}
         bodies = {False: {}, True: shaping}
-        complete(client, prompts[0], "on", shaping, 8)  # warm-up, unmeasured
+        complete(client, prompts[0], "on", shaping, args.max_tokens if args.floor else 8)  # warm-up, unmeasured
         for i, prompt in enumerate(prompts):
             texts = {}
             for lane in lanes if i % 2 == 0 else reversed(lanes):
