@@ -243,7 +243,7 @@ class DraftEngine:
 
     def _new_session(self, spec: SessionSpec) -> ProposerSession:
         """A proposer session for ``spec`` (on the model thread), guided by its grammar where it has one."""
-        session = self.proposer.new_session(spec.token_ids, spec.sampling)
+        session = self.proposer.new_session(spec.token_ids, spec.sampling, spec.shaping)
         if spec.prediction_token_ids:  # the output begins where the client's text does (a moved session: earlier)
             start = spec.prompt_len - spec.continued_tokens
             session = PredictedSession(session, spec.prediction_token_ids, start, spec.token_ids)

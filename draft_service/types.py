@@ -118,6 +118,24 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class LogitShaping:
+    """What a session's target does to its logits that the head should do too (``active`` where it
+    does anything)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # Where the generated text begins in the committed sequence (the prompt's length, less the
+    # tokens a moved session continues): the presence and frequency penalties count from there.
+    generated_from: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0 or bool(self.bias)
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """A validated Speculate request: what one speculation loop runs."""
 
@@ -133,6 +151,8 @@ class SessionSpec:
     grammar: Grammar | None = None  # a constrained session's grammar: its drafts follow it (draft_service.guide)
     continued_tokens: int = 0  # the prompt's last tokens that are the session's output so far (a moved session)
     prediction_token_ids: tuple[int, ...] = ()  # a predicted output to draft from (draft_service.prediction)
+    # The target's penalties and bias, which the head's logits follow (draft_service.proposers.shaping).
+    shaping: LogitShaping | None = None
 
 
 @dataclass(frozen=True)

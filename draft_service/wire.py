@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from draft_service.errors import ProtocolError
-from draft_service.types import ProposedBlock, RoundResult, SessionSpec, TargetInfo, Verdict
+from draft_service.types import LogitShaping, ProposedBlock, RoundResult, SessionSpec, TargetInfo, Verdict
 from tandem.rpc import codecs
 from tandem.rpc.types import Grammar
 from tandem.v1 import common_pb2, draft_pb2, target_pb2
@@ -29,7 +29,16 @@ def spec_from_request(request: draft_pb2.SpeculateRequest, default_k: int) -> Se
         grammar=_grammar(params),
         continued_tokens=params.continued_tokens,
         prediction_token_ids=tuple(request.prediction_token_ids),
+        shaping=_shaping(request),
     )
+
+
+def _shaping(request: draft_pb2.SpeculateRequest) -> LogitShaping | None:
+    """The target's penalties and bias for the session, which its head follows; None: none."""
+    params = request.params
+    shaping = LogitShaping(params.presence_penalty, params.frequency_penalty, params.repetition_penalty or 1.0,
+                           tuple(sorted(params.logit_bias.items())), request.prompt_len - params.continued_tokens)
+    return shaping if shaping.active else None
 
 
 def _grammar(params: common_pb2.SessionParams) -> Grammar | None:

@@ -59,9 +59,9 @@ class Counting(NgramProposer):
         self.opened = 0
         self.closed = 0
 
-    def new_session(self, token_ids, sampling):
+    def new_session(self, token_ids, sampling, shaping=None):
         self.opened += 1
-        session = super().new_session(token_ids, sampling)
+        session = super().new_session(token_ids, sampling, shaping)
         close = session.close
 
         def closing() -> None:

@@ -328,9 +328,9 @@ class CountingLookup(NgramProposer):
         self.sessions = 0
         self.seen: list[int] = []
 
-    def new_session(self, token_ids, sampling):
+    def new_session(self, token_ids, sampling, shaping=None):
         self.sessions += 1
-        session = super().new_session(token_ids, sampling)
+        session = super().new_session(token_ids, sampling, shaping)
         propose = session.propose
 
         def recording(max_tokens):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from draft_service.block_length import AcceptancePrior
 from draft_service.block_shape import BlockShapes
-from draft_service.types import Proposal, SamplingParams
+from draft_service.types import LogitShaping, Proposal, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +99,10 @@ class Proposer(ABC):
         return self.block_shapes if sampling.greedy else None
 
     @abstractmethod
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> ProposerSession:
-        """Opens drafting state for a committed sequence (cheap: heavy work happens in propose)."""
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
+                    shaping: LogitShaping | None = None) -> ProposerSession:
+        """Opens drafting state for a committed sequence (cheap: heavy work happens in propose).
+        ``shaping``: the target's penalties and bias, for a drafter that scores logits to follow."""
 
     def warm_up(self) -> None:
         """Runs one short session so lazy initialisation is paid before health says SERVING."""

@@ -35,7 +35,8 @@ from draft_service.errors import IncompatibleDraftError
 from draft_service.proposers.base import WARMUP_TOKENS, Proposer, ProposerSession
 from draft_service.proposers.rollout import FeatureRollout
 from draft_service.proposers.sampling import TopKSampler
-from draft_service.types import Proposal, SamplingParams, SparseDist, TargetInfo
+from draft_service.proposers.shaping import ShapedLogits
+from draft_service.types import LogitShaping, Proposal, SamplingParams, SparseDist, TargetInfo
 from tandem.models.eagle import (
     ACCEPTANCE_FILE,
     EagleConfig,
@@ -88,11 +89,17 @@ class EagleSession(ProposerSession):
     used while ``_feature_len`` equals the committed length, i.e. while it is current.
     """
 
-    def __init__(self, proposer: EagleProposer, token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def __init__(self, proposer: EagleProposer, token_ids: Sequence[int], sampling: SamplingParams,
+                 shaping: LogitShaping | None = None) -> None:
         if not token_ids:
             raise ValueError("a draft session needs at least one committed token")
         self._proposer = proposer
         self._tokens: list[int] = list(token_ids)
+        # The target's penalties and bias, applied to every step's logits (draft_service.proposers.shaping).
+        self._shaped = None
+        if shaping is not None and shaping.active:
+            self._shaped = ShapedLogits(shaping, proposer.drafter.vocab_ids)
+            self._shaped.commit(self._tokens)
         self._feature: torch.Tensor | None = None
         self._feature_len = -1
         self._sampler = None if sampling.greedy else TopKSampler(sampling, proposer.draft_top_k)
@@ -135,7 +142,7 @@ class EagleSession(ProposerSession):
         LM-head rows, so b rows cost about what one does."""
         token_ids = torch.tensor(list(tokens), dtype=torch.long, device=self._proposer.device)  # [b]
         with torch.inference_mode():
-            predicted, logits = self._proposer.drafter.step(features, token_ids)  # [b, hidden], [b, reduced]
+            predicted, logits = self._step(features, token_ids)  # [b, hidden], [b, reduced]
         return [self._top_k(predicted[i : i + 1], logits[i : i + 1], k) for i in range(len(token_ids))]
 
     def next_tokens(self, n: int) -> tuple[int, ...]:
@@ -160,7 +167,6 @@ class EagleSession(ProposerSession):
         first = self._step_from_feature() if max_tokens > 0 else None
         if first is None:
             return Proposal()  # the block still commits one token and brings the feature
-        drafter = self._proposer.drafter
         device = self._proposer.device
         token = self._tokens[-1]
         tokens: list[int] = []
@@ -172,7 +178,7 @@ class EagleSession(ProposerSession):
                     feature, logits = first  # [1, hidden], [1, reduced]
                 else:
                     token_ids = torch.tensor([token], dtype=torch.long, device=device)  # [1]
-                    feature, logits = drafter.step(feature, token_ids)  # [1, hidden], [1, reduced]
+                    feature, logits = self._step(feature, token_ids)  # [1, hidden], [1, reduced]
                 token, dist = self._pick(logits[0])
                 tokens.append(token)
                 self.remember(tokens, feature)
@@ -206,6 +212,8 @@ class EagleSession(ProposerSession):
         self._first_step = None
         del self._tokens[base_len:]
         self._tokens.extend(token_ids)
+        if self._shaped is not None:
+            self._shaped.commit(self._tokens)
         self._rollout.changed_from(base_len)
         # A verdict's states must be [len(token_ids), hidden]: a target that sends another shape
         # (with as many bytes) gets no step on them, the next block is empty.
@@ -240,8 +248,14 @@ class EagleSession(ProposerSession):
             device = self._proposer.device
             token_ids = torch.tensor([self._tokens[-1]], dtype=torch.long, device=device)  # [1]
             with torch.inference_mode():
-                self._first_step = self._proposer.drafter.step(self._feature.to(device)[None], token_ids)
+                self._first_step = self._step(self._feature.to(device)[None], token_ids)
         return self._first_step
+
+    def _step(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's step (features [b, hidden], tokens [b] -> features [b, hidden], logits [b, reduced]),
+        its logits shaped as the target's are where the session has penalties or a bias."""
+        predicted, logits = self._proposer.drafter.step(features, token_ids)  # [b, hidden], [b, reduced]
+        return predicted, logits if self._shaped is None else self._shaped.apply(logits)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         """A draft token (target id) from the logits over the reduced vocabulary [reduced]."""
@@ -364,8 +378,9 @@ class EagleProposer(Proposer):
     def wants_hidden_states(self) -> bool:
         return True
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> EagleSession:
-        return EagleSession(self, token_ids, sampling)
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
+                    shaping: LogitShaping | None = None) -> EagleSession:
+        return EagleSession(self, token_ids, sampling, shaping)
 
     def warm_up(self) -> None:
         """Drafts greedily and by sampling from a made-up feature: a fresh session's first

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from draft_service.block_length import confidence_source
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
-from draft_service.types import Proposal, SamplingParams, SparseDist
+from draft_service.types import LogitShaping, Proposal, SamplingParams, SparseDist
 from tandem.models import LoadedModel, tokenizer_fingerprint
 
 VOCAB_IDS_FILE = "tandem_vocab_ids.safetensors"
@@ -227,5 +227,6 @@ class HfProposer(Proposer):
             return 1 << 30
         return self._max_positions - committed_len + 1
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> HfSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
+                    shaping: LogitShaping | None = None) -> HfSession:
         return HfSession(self, token_ids, sampling)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from draft_service.proposers.base import Proposer, ProposerSession
-from draft_service.types import Proposal, SamplingParams
+from draft_service.types import LogitShaping, Proposal, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -128,5 +128,6 @@ class NgramProposer(Proposer):
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> NgramSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
+                    shaping: LogitShaping | None = None) -> NgramSession:
         return NgramSession(token_ids, self.ngram_max, self.ngram_min)

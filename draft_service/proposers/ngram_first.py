@@ -42,7 +42,7 @@ from draft_service.block_shape import CHAIN, BlockShapes
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.eagle import EagleProposer, EagleSession, HeadGuesses
 from draft_service.proposers.ngram import LOOKUP_SOURCE, NgramProposer, NgramSession
-from draft_service.types import Proposal, SamplingParams, SparseDist
+from draft_service.types import LogitShaping, Proposal, SamplingParams, SparseDist
 
 COPY_SOURCE = "copy"  # Proposal.sources: lookup's continuation of the head's drafts
 # Proposal.sources of a tree's nodes: a head guess by the probability the head gave it after its
@@ -351,10 +351,11 @@ class NgramFirstProposer(Proposer):
         """The head's: it was measured with lookup drafting beside the head (lookup and copy sources too)."""
         return self.eagle.acceptance_prior
 
-    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams) -> NgramFirstSession:
+    def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
+                    shaping: LogitShaping | None = None) -> NgramFirstSession:
         return NgramFirstSession(
             self.ngram.new_session(token_ids, sampling),
-            self.eagle.new_session(token_ids, sampling),
+            self.eagle.new_session(token_ids, sampling, shaping),
             self.head_k,
             self.overrule_confidence,
             self.tree_nodes,
