@@ -106,13 +106,19 @@ def test_sampled_tokens_follow_the_biased_distribution_speculative_or_not(loaded
             key = tuple(tokens[:2])
             if key in counts:
                 counts[key] += 1
-        observed = list(counts.values()) + [n - sum(counts.values())]
-        expected = [p * n for p in exact.values()] + [n * (1 - sum(exact.values()))]
-        if expected[-1] < 5:  # chi-square's rule: the rest pooled into the last cell
-            observed[-2] += observed.pop()
-            expected[-2] += expected.pop()
-        assert sum(exact.values()) > 0.5  # the cells hold most of the mass
-        assert stats.chisquare(observed, expected).pvalue > 1e-4, (how, counts, exact)
+        assert_pairs_follow(counts, exact, n, how)
+
+
+def assert_pairs_follow(counts: dict, exact: dict, n: int, how: str) -> None:
+    """Chi-square of ``n`` sessions' first two tokens: ``counts`` of the pairs in ``exact`` (their
+    exact probabilities, most of the mass), every other pair pooled into one more cell."""
+    observed = list(counts.values()) + [n - sum(counts.values())]
+    expected = [p * n for p in exact.values()] + [n * (1 - sum(exact.values()))]
+    if expected[-1] < 5:  # chi-square's rule: the rest pooled into the last cell
+        observed[-2] += observed.pop()
+        expected[-2] += expected.pop()
+    assert sum(exact.values()) > 0.5  # the cells hold most of the mass
+    assert stats.chisquare(observed, expected).pvalue > 1e-4, (how, counts, exact)
 
 
 def test_log_probabilities_stay_the_models_own(loaded) -> None:
