@@ -81,12 +81,7 @@ def test_sampled_tokens_follow_the_biased_distribution_speculative_or_not(loaded
     prompt = prompt_ids(82)
     bias = {5: 9.0, 6: 8.5, 7: 8.0, 8: 7.0}
     favoured = sorted(bias)
-    first = torch.softmax(biased_logits(loaded.model, prompt, bias), dim=-1)  # [vocab]
-    exact = {}
-    for a in favoured:
-        second = torch.softmax(biased_logits(loaded.model, prompt + [a], bias), dim=-1)
-        for b in favoured:
-            exact[a, b] = float(first[a] * second[b])
+    exact = exact_pairs(lambda tokens: biased_logits(loaded.model, tokens, bias), prompt, favoured)
     rng = random.Random(0)
     n = 400
     for how in ("decode", "speculate"):
@@ -107,6 +102,18 @@ def test_sampled_tokens_follow_the_biased_distribution_speculative_or_not(loaded
             if key in counts:
                 counts[key] += 1
         assert_pairs_follow(counts, exact, n, how)
+
+
+def exact_pairs(logits_after, prompt: list[int], favoured: list[int]) -> dict[tuple[int, int], float]:
+    """The exact probability of each pair of ``favoured`` tokens as a session's first two, from
+    ``logits_after(tokens)`` [vocab], the logits the next token is sampled from."""
+    first = torch.softmax(logits_after(prompt), dim=-1)  # [vocab]
+    exact = {}
+    for a in favoured:
+        second = torch.softmax(logits_after(prompt + [a]), dim=-1)  # [vocab]
+        for b in favoured:
+            exact[a, b] = float(first[a] * second[b])
+    return exact
 
 
 def assert_pairs_follow(counts: dict, exact: dict, n: int, how: str) -> None:

@@ -21,7 +21,7 @@ from target_service.types import DraftBlock, VerdictStatus
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_engine import _prompt as prompt_ids
 from test_target_grammar import decode, speculate  # random chains and trees around a guide
-from test_target_logit_bias import assert_pairs_follow
+from test_target_logit_bias import assert_pairs_follow, exact_pairs
 
 FLOOR = 5
 
@@ -98,12 +98,7 @@ def test_sampled_tokens_follow_the_floored_distribution_speculative_or_not(tiny_
     prompt = prompt_ids(92)
     bias = {eos: 9.0, 5: 8.5, 6: 8.0, 7: 7.0}
     favoured = [5, 6, 7]
-    first = torch.softmax(step_logits(loaded.model, prompt, bias, stops), dim=-1)  # [vocab]
-    exact = {}
-    for a in favoured:
-        second = torch.softmax(step_logits(loaded.model, prompt + [a], bias, stops), dim=-1)
-        for b in favoured:
-            exact[a, b] = float(first[a] * second[b])
+    exact = exact_pairs(lambda tokens: step_logits(loaded.model, tokens, bias, stops), prompt, favoured)
     rng = random.Random(0)
     n = 400
     for how in ("decode", "speculate"):
