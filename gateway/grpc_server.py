@@ -61,6 +61,9 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         stop_token_ids=tuple(request.stop_token_ids),
         include_stop_str_in_output=request.include_stop_str_in_output,
         min_tokens=request.min_tokens,
+        truncate_prompt_tokens=(
+            request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+        ),
         # An enum value this build does not know is passed on as a number, which validation refuses.
         speculation=_SPECULATION.get(request.speculation, str(request.speculation)),
         num_speculative_tokens=(

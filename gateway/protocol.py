@@ -118,6 +118,7 @@ class _GenerationBody(_StrictBody):
         False, description="return the stop string or stop token that ended the answer (vLLM's extension)"
     )
     min_tokens: int | None = Field(None, description="tokens generated before a stop may end the answer (vLLM's)")
+    truncate_prompt_tokens: int | None = Field(None, description="keep only the prompt's last tokens (vLLM's)")
     stream_smoothing: str | None = Field(
         None, description='"auto" paces streamed tokens evenly, "off" sends them as committed (default: the server\'s)'
     )
@@ -148,6 +149,7 @@ class _GenerationBody(_StrictBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             min_tokens=self.min_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,
             ignore_eos=self.ignore_eos,

@@ -61,7 +61,6 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "xtc_probability": (_equal_to(0), _SAMPLING),
     "use_beam_search": (_equal_to(False), "beam search is not supported"),
     "bad_words": (_empty, "bad_words is not supported; logit_bias of -100 bans a token"),
-    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported; shorten the prompt"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported; completions with echo and "
                                              "logprobs score the prompt's tokens"),
     # other servers' ways to ask for structured output, and their chat-template controls

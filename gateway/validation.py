@@ -60,6 +60,7 @@ class RequestFields:
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the answer besides EOS (vLLM's extension)
     include_stop_str_in_output: bool = False  # the matched stop string or stop token's text is returned
     min_tokens: int | None = None  # the answer's first tokens are never a stop (vLLM's extension)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last tokens (vLLM's extension)
     speculation: str | None = None
     num_speculative_tokens: int | None = None
     ignore_eos: bool = False
@@ -110,6 +111,7 @@ class RequestValidator:
         else:
             prompt_ids, param = self._completion_prompt(fields.prompt), "prompt"
             default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt_ids = self._truncated(prompt_ids, fields.truncate_prompt_tokens)
         max_tokens = self._max_tokens(fields.max_tokens, default_max_tokens, len(prompt_ids), param)
         min_tokens = fields.min_tokens or 0
         if not 0 <= min_tokens <= max_tokens:
@@ -253,6 +255,16 @@ class RequestValidator:
         if any(not s for s in stop):
             raise InvalidRequest("stop strings must not be empty", param="stop")
         return tuple(dict.fromkeys(stop))
+
+    @staticmethod
+    def _truncated(prompt_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``; None: all of it)."""
+        if keep is None:
+            return prompt_ids
+        if keep < 1:
+            raise InvalidRequest(f"truncate_prompt_tokens must be at least 1 (the prompt's last tokens kept), got "
+                                 f"{keep}", param="truncate_prompt_tokens")
+        return prompt_ids[-keep:]
 
     def _stop_token_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         if len(ids) > MAX_STOP_TOKEN_IDS:

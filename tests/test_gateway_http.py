@@ -231,6 +231,28 @@ async def test_min_tokens_reaches_the_target_and_stop_strings_wait_for_it(stack,
     await stack.wait_until_idle()
 
 
+
+async def test_truncate_prompt_tokens_prefills_the_prompts_last_tokens(stack, tokenizer):
+    """vLLM's truncate_prompt_tokens: the last N tokens of the prompt as tokenized (after the chat
+    template), counted so in the usage; a prompt longer than the context fits once cut."""
+    ids = tokenizer("one two three four five six seven", add_special_tokens=False)["input_ids"]
+    answer = (await post(stack, "/v1/completions", {"prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": 3}))
+    assert list(stack.model.prefilled_prompts[-1]) == ids[-3:] and answer.json()["usage"]["prompt_tokens"] == 3
+    chat = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
+    whole = list((await post(stack, "/tokenize", chat)).json()["tokens"])
+    assert (await post(stack, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 4})).status_code == 200
+    assert list(stack.model.prefilled_prompts[-1]) == whole[-4:]
+    long = {"prompt": [5] * 200, "max_tokens": 2}
+    assert (await post(stack, "/v1/completions", long)).status_code == 400  # the context is 128
+    assert (await post(stack, "/v1/completions", {**long, "truncate_prompt_tokens": 100})).status_code == 200
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt_token_ids=ids, max_tokens=2,
+                                                            truncate_prompt_tokens=2)
+        [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+    assert list(stack.model.prefilled_prompts[-1]) == ids[-2:]
+    await stack.wait_until_idle()
+
+
 # Each case: (name, body or raw bytes, param expected in the error or None)
 BAD_HTTP = [
     ("malformed JSON", b"{not json", None),
@@ -280,6 +302,7 @@ BAD_HTTP = [
     ("min_tokens negative", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     ("repetition_penalty 0", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("repetition_penalty 3", {"prompt": "hi", "repetition_penalty": 3}, "repetition_penalty"),
+    ("truncate_prompt_tokens 0", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 BAD_CHAT = [
     ("missing messages", {"max_tokens": 4}, "messages"),

@@ -36,7 +36,6 @@ ASKS_AND_NEUTRAL = {
     "xtc_probability": (0.5, 0),
     "use_beam_search": (True, False),
     "bad_words": (["x"], []),
-    "truncate_prompt_tokens": (100, None),
     "prompt_logprobs": (1, None),
     "guided_json": ({"type": "object"}, None),
     "guided_regex": ("a+", None),
