@@ -7,8 +7,10 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tandem.tools.calibrate.run import CalibrationReport
+if TYPE_CHECKING:  # run imports torch: `tandem serve` and every other command start without it
+    from tandem.tools.calibrate.run import CalibrationReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
