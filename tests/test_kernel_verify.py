@@ -8,11 +8,13 @@ accepted counts as the reference. Both compute in float32 but not in the same or
 could in principle differ where two compared quantities agree to within rounding; with continuous
 random inputs that has probability ~1e-6 per comparison, and the seeds are fixed.
 
-Statistical bound (the kernel's own sampler, not just agreement with the reference): blocks of
-k=1 on a 5-token vocabulary with a dense q far from p; the first committed token must follow p_0
-and the bonus token p_1: chi-square goodness-of-fit p-value > 1e-3 and total variation below 4x
-the mean TV of an exact sampler at that n (0.5 * sum_i sqrt(2 p_i (1 - p_i) / (pi n))). n is small
-under the interpreter (each draw is a Python-interpreted program) and large on a GPU.
+Statistical bound (the kernel's own sampler, not just agreement with the reference), where CUDA
+is present: blocks of k=1 on a 5-token vocabulary with a dense q far from p; the first committed
+token must follow p_0 and the bonus token p_1: chi-square goodness-of-fit p-value > 1e-3 and total
+variation below 4x the mean TV of an exact sampler at that n (0.5 * sum_i sqrt(2 p_i (1 - p_i) /
+(pi n))), over 200,000 blocks. Under the interpreter each block is a Python-interpreted program, so
+the same blocks are fewer and each must commit exactly what the reference commits on the same
+draws; the reference's own sampler is checked against p statistically (test_verify_reference.py).
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ def _assert_distributed_as(samples: torch.Tensor, probs: torch.Tensor, label: st
 
 def test_kernel_rejection_sampling_reproduces_p() -> None:
     vocab, k = 5, 1
-    n = 200_000 if CUDA else 300
+    n = 200_000 if CUDA else 48
     g = torch.Generator().manual_seed(2024)
     row_logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, -1.0], [0.0, 1.2, 0.3, -0.7, 0.5]])  # [k+1, vocab]
     q_row = torch.tensor([0.05, 0.1, 0.6, 0.05, 0.2])  # [vocab]: the draft favours an unlikely token
@@ -289,6 +291,11 @@ def test_kernel_rejection_sampling_reproduces_p() -> None:
         draw_uniforms((n, k), g), draw_exponentials((n, vocab), g),
     )
     num_accepted, token = [t.cpu() for t in kernel_verify.verify_chain(*_to(DEVICE, *args))]
+    if not CUDA:  # a few interpreted blocks: the reference's commits, block for block
+        want_accepted, want_token = reference.verify_chain(*args)
+        assert num_accepted.tolist() == want_accepted.tolist() and token.tolist() == want_token.tolist()
+        assert 0 < int(num_accepted.sum()) < n  # accepted and rejected drafts both
+        return
     p = torch.softmax(row_logits, -1)  # [k+1, vocab]
     _assert_distributed_as(torch.where(num_accepted == 1, draft[:, 0], token), p[0], "first token")
     _assert_distributed_as(token[num_accepted == 1], p[1], "bonus token")
