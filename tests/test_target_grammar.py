@@ -20,7 +20,8 @@ from target_service import wire
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
-from target_service.types import DraftBlock, FinishReason, Grammar, GrammarKind, VerdictStatus
+from target_service.planner import DecodeStep
+from target_service.types import DraftBlock, FinishReason, Grammar, GrammarKind, Verdict, VerdictStatus
 from test_target_engine import _prompt as prompt_ids
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_tree import random_tree
@@ -72,25 +73,66 @@ def speculate(engine: TargetEngine, prompt: list[int], config: SessionConfig, se
               guide: list[int]) -> list[int]:
     """Random chains and trees, mixing ``guide`` (a continuation that the grammar allows) with random
     tokens, most of which it forbids."""
-    tokens = [engine.prefill(session_id, prompt, config).token_id]
-    block_id = 0
-    while True:
-        block_id += 1
+    return run_together(engine, prompt, [config], random_blocks(engine, prompt, rng, guide), names=[session_id])[0]
+
+
+def random_blocks(engine: TargetEngine, prompt: list[int], rng: random.Random, guide: list[int]):
+    """``speculate``'s next block for a session that has ``tokens``: a random chain or tree."""
+    def next_block(session_id: str, tokens: list[int], block_id: int) -> DraftBlock:
         ahead = guide[len(tokens):] + [rng.randrange(engine.vocab_size) for _ in range(4)]
         if rng.random() < 0.5:
             drafts, parents = random_tree(rng, ahead, rng.randint(1, 6))
         else:
             drafts, parents = [t if rng.random() < 0.7 else rng.randrange(300) for t in ahead[: rng.randint(0, 4)]], []
-        verdict = engine.verify(DraftBlock(session_id, len(prompt) + len(tokens), tuple(drafts), block_id=block_id,
-                                           draft_parents=tuple(parents)))
-        if verdict.status is VerdictStatus.FINISHED:
-            engine.release(session_id)
-            return tokens
-        assert verdict.status is VerdictStatus.OK
-        tokens += verdict.committed_token_ids
-        if verdict.finish_reason is not FinishReason.NONE:
-            engine.release(session_id)
-            return tokens
+        return DraftBlock(session_id, len(prompt) + len(tokens), tuple(drafts), block_id=block_id,
+                          draft_parents=tuple(parents))
+
+    return next_block
+
+
+def decode_step(session_id: str, tokens: list[int], block_id: int) -> DecodeStep:
+    return DecodeStep(session_id)
+
+
+def run_together(engine: TargetEngine, prompt: list[int], configs: list[SessionConfig], next_call,
+                 batch: int = 50, names: list[str] | None = None) -> list[list[int]]:
+    """One session per config (``seed`` apart; named by ``names``), ``batch`` at a time, each step of
+    theirs one batched engine pass (whose answers are what each call alone would get, so they stay
+    independent); every session's tokens once it finishes. ``next_call(session_id, tokens,
+    block_id)``: its next call, a ``decode_step`` or a draft block (``random_blocks``)."""
+    names = names or [f"t{i}" for i in range(len(configs))]
+    out: list[list[int]] = []
+    for start in range(0, len(configs), batch):
+        ids = names[start : start + batch]
+        firsts = engine.run_batch([engine.begin_prefill(sid, prompt, config)
+                                   for sid, config in zip(ids, configs[start : start + batch])])
+        tokens = {sid: [unwrap(first).token_id] for sid, first in zip(ids, firsts)}
+        calls = {sid: 0 for sid in ids}
+        open_ids = list(ids)
+        while open_ids:
+            for sid in open_ids:
+                calls[sid] += 1
+            answers = engine.run_batch([next_call(sid, tokens[sid], calls[sid]) for sid in open_ids])
+            for sid, answer in zip(list(open_ids), answers):
+                answer = unwrap(answer)
+                if isinstance(answer, Verdict):
+                    assert answer.status in (VerdictStatus.OK, VerdictStatus.FINISHED), answer
+                    tokens[sid] += answer.committed_token_ids
+                    ended = answer.status is VerdictStatus.FINISHED or answer.finish_reason is not FinishReason.NONE
+                else:
+                    tokens[sid] += answer.token_ids
+                    ended = answer.finish_reason is not FinishReason.NONE
+                if ended:
+                    engine.release(sid)
+                    open_ids.remove(sid)
+        out += [tokens[sid] for sid in ids]
+    return out
+
+
+def unwrap(answer):
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
 
 def test_each_row_allows_exactly_what_keeps_the_text_in_the_language(engine, loaded) -> None:
@@ -168,14 +210,11 @@ def test_sampled_text_follows_the_targets_renormalised_distribution_speculative_
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-4)
     exact = {text: p / sum(exact.values()) for text, p in exact.items()}  # (paths below 1e-7 were left out)
     rng = random.Random(0)
+    configs = [SessionConfig(max_new_tokens=16, temperature=1.0, seed=seed, grammar=REGEX) for seed in range(400)]
     for how in ("decode", "speculate"):
         counts = {text: 0 for text in exact}
-        for seed in range(400):
-            config = SessionConfig(max_new_tokens=16, temperature=1.0, seed=seed, grammar=REGEX)
-            if how == "decode":
-                tokens = decode(engine, prompt, config, "s")
-            else:
-                tokens = speculate(engine, prompt, config, "s", rng, [])
+        steps = decode_step if how == "decode" else random_blocks(engine, prompt, rng, [])
+        for tokens in run_together(engine, prompt, configs, steps):
             counts[loaded.tokenizer.decode(tokens[:-1])] += 1
         common = [text for text in exact if exact[text] * 400 >= 5]  # chi-square's rule; the rest pooled
         observed = [counts[t] for t in common] + [400 - sum(counts[t] for t in common)]

@@ -17,10 +17,10 @@ from target_service import min_tokens, wire
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
-from target_service.types import DraftBlock, VerdictStatus
+from target_service.types import DraftBlock
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_engine import _prompt as prompt_ids
-from test_target_grammar import decode, speculate  # random chains and trees around a guide
+from test_target_grammar import decode, decode_step, run_together, speculate  # random chains and trees around a guide
 from test_target_logit_bias import assert_pairs_follow, exact_pairs
 
 FLOOR = 5
@@ -101,20 +101,19 @@ def test_sampled_tokens_follow_the_floored_distribution_speculative_or_not(tiny_
     exact = exact_pairs(lambda tokens: step_logits(loaded.model, tokens, bias, stops), prompt, favoured)
     rng = random.Random(0)
     n = 400
+    configs = [SessionConfig(max_new_tokens=3, temperature=1.0, seed=seed, min_tokens=2,
+                             logit_bias=tuple(sorted(bias.items()))) for seed in range(n)]
+
+    def one_block(session_id: str, tokens: list[int], block_id: int) -> DraftBlock:
+        """A random block after the first token (EOS among its drafts); the session then decodes."""
+        if block_id > 1:
+            return decode_step(session_id, tokens, block_id)
+        drafts = tuple(rng.choice([eos, *favoured]) for _ in range(rng.randint(1, 3)))
+        return DraftBlock(session_id, len(prompt) + len(tokens), drafts, block_id=block_id)
+
     for how in ("decode", "speculate"):
         counts = dict.fromkeys(exact, 0)
-        for seed in range(n):
-            config = SessionConfig(max_new_tokens=3, temperature=1.0, seed=seed, min_tokens=2,
-                                   logit_bias=tuple(sorted(bias.items())))
-            if how == "decode":
-                tokens = decode(engine, prompt, config, "s")
-            else:
-                tokens = [engine.prefill("s", prompt, config).token_id]
-                drafts = tuple(rng.choice([eos, *favoured]) for _ in range(rng.randint(1, 3)))
-                verdict = engine.verify(DraftBlock("s", len(prompt) + 1, drafts, block_id=1))
-                assert verdict.status is VerdictStatus.OK
-                tokens += verdict.committed_token_ids
-                engine.release("s")
+        for tokens in run_together(engine, prompt, configs, decode_step if how == "decode" else one_block):
             assert eos not in tokens[:2], tokens
             key = tuple(tokens[:2])
             if key in counts:
