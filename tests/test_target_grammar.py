@@ -20,8 +20,8 @@ from target_service import wire
 from target_service.engine import TargetEngine
 from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
-from target_service.planner import DecodeStep
-from target_service.types import DraftBlock, FinishReason, Grammar, GrammarKind, Verdict, VerdictStatus
+from target_service.types import DraftBlock, FinishReason, Grammar, GrammarKind
+from engine_sessions import decode_step, run_together
 from test_target_engine import _prompt as prompt_ids
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_tree import random_tree
@@ -88,51 +88,6 @@ def random_blocks(engine: TargetEngine, prompt: list[int], rng: random.Random, g
                           draft_parents=tuple(parents))
 
     return next_block
-
-
-def decode_step(session_id: str, tokens: list[int], block_id: int) -> DecodeStep:
-    return DecodeStep(session_id)
-
-
-def run_together(engine: TargetEngine, prompt: list[int], configs: list[SessionConfig], next_call,
-                 batch: int = 50, names: list[str] | None = None) -> list[list[int]]:
-    """One session per config (``seed`` apart; named by ``names``), ``batch`` at a time, each step of
-    theirs one batched engine pass (whose answers are what each call alone would get, so they stay
-    independent); every session's tokens once it finishes. ``next_call(session_id, tokens,
-    block_id)``: its next call, a ``decode_step`` or a draft block (``random_blocks``)."""
-    names = names or [f"t{i}" for i in range(len(configs))]
-    out: list[list[int]] = []
-    for start in range(0, len(configs), batch):
-        ids = names[start : start + batch]
-        firsts = engine.run_batch([engine.begin_prefill(sid, prompt, config)
-                                   for sid, config in zip(ids, configs[start : start + batch])])
-        tokens = {sid: [unwrap(first).token_id] for sid, first in zip(ids, firsts)}
-        calls = {sid: 0 for sid in ids}
-        open_ids = list(ids)
-        while open_ids:
-            for sid in open_ids:
-                calls[sid] += 1
-            answers = engine.run_batch([next_call(sid, tokens[sid], calls[sid]) for sid in open_ids])
-            for sid, answer in zip(list(open_ids), answers):
-                answer = unwrap(answer)
-                if isinstance(answer, Verdict):
-                    assert answer.status in (VerdictStatus.OK, VerdictStatus.FINISHED), answer
-                    tokens[sid] += answer.committed_token_ids
-                    ended = answer.status is VerdictStatus.FINISHED or answer.finish_reason is not FinishReason.NONE
-                else:
-                    tokens[sid] += answer.token_ids
-                    ended = answer.finish_reason is not FinishReason.NONE
-                if ended:
-                    engine.release(sid)
-                    open_ids.remove(sid)
-        out += [tokens[sid] for sid in ids]
-    return out
-
-
-def unwrap(answer):
-    if isinstance(answer, Exception):
-        raise answer
-    return answer
 
 
 def test_each_row_allows_exactly_what_keeps_the_text_in_the_language(engine, loaded) -> None:

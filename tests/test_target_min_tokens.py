@@ -20,7 +20,8 @@ from target_service.session import SessionConfig
 from target_service.types import DraftBlock
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_engine import _prompt as prompt_ids
-from test_target_grammar import decode, decode_step, run_together, speculate  # random chains and trees around a guide
+from engine_sessions import decode_step, run_together
+from test_target_grammar import decode, speculate  # random chains and trees around a guide
 from test_target_logit_bias import assert_pairs_follow, exact_pairs
 
 FLOOR = 5

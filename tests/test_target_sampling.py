@@ -5,7 +5,7 @@ A random Llama with a 5-token vocabulary is the target. Each trial prefills a fr
 own seed), sends one block (2 draft tokens sampled from a sparse q, different from p and partly
 outside p's support; or a fixed token tree of deterministic guesses) and generates until 3 tokens
 are committed. Trials run 50 at a time, each step of theirs in one batched engine pass (the
-serving path under load). The empirical joint
+serving path under load; ``engine_sessions``). The empirical joint
 distribution of those 3 tokens (125 cells) is compared with the exact joint computed from full
 forward passes: chi-square goodness of fit (cells expecting < 5 pooled) with p-value > 1e-3, and
 total variation below 1.5x the mean TV of an exact sampler at that sample size. Seeds are fixed,
@@ -20,12 +20,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_sessions import decode_step, run_together
 from model_fixtures import VOCAB  # the vocabulary of the small_vocab_target fixture
 from scipy.stats import chisquare
 
 from kernels.reference import target_probs
 from target_service.planner import DecodeStep
-from target_service.types import DraftBlock, PrefillResult, SparseDist, VerdictStatus
+from target_service.types import DraftBlock, SparseDist
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
 
@@ -66,31 +67,20 @@ def tree_block(rng: random.Random, base_len: int, session_id: str = "s") -> Draf
     return DraftBlock(session_id, base_len, TREE_TOKENS, draft_parents=TREE_PARENTS)
 
 
-# Sessions run together: each step of a batch's sessions is one engine pass (``run_batch``), whose
-# answers are what each call alone would get, so the trials stay independent (each its own seed).
-BATCH = 50
-
-
 def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int, block=chain_block) -> np.ndarray:
-    """Counts of the first 3 generated tokens over TRIALS speculative sessions, BATCH at a time:
-    all prefilled in one pass, their blocks verified in the next, then decoded until each has 3."""
+    """Counts of the first 3 generated tokens over TRIALS speculative sessions, run 50 at a time
+    (``run_together``): prefilled, one block verified, then decoded until each has 3."""
     rng = random.Random(0)
+    configs = [SessionConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial,
+                             ignore_eos=True) for trial in range(TRIALS)]
+
+    def one_block(session_id: str, tokens: list[int], call: int) -> DraftBlock | DecodeStep:
+        return block(rng, len(PROMPT) + len(tokens), session_id) if call == 1 else decode_step(session_id, tokens, call)
+
     counts = np.zeros((VOCAB,) * 3)
-    for start in range(0, TRIALS, BATCH):
-        trials = range(start, min(start + BATCH, TRIALS))
-        jobs = [engine.begin_prefill(f"s{trial}", PROMPT, SessionConfig(
-            max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial, ignore_eos=True))
-            for trial in trials]
-        firsts = engine.run_batch(jobs)
-        assert all(isinstance(first, PrefillResult) for first in firsts), firsts
-        verdicts = engine.run_batch([block(rng, first.committed_len, f"s{trial}") for trial, first in zip(trials, firsts)])
-        assert all(verdict.status == VerdictStatus.OK for verdict in verdicts), verdicts
-        while open_ids := [f"s{trial}" for trial in trials if len(engine.store.get(f"s{trial}").tokens) < len(PROMPT) + 3]:
-            steps = engine.run_batch([DecodeStep(session_id) for session_id in open_ids])
-            assert all(step.token_ids for step in steps), steps
-        for trial in trials:
-            counts[tuple(engine.store.get(f"s{trial}").tokens[len(PROMPT) :])] += 1
-            engine.release(f"s{trial}")
+    for tokens in run_together(engine, PROMPT, configs, one_block):
+        assert len(tokens) == 3, tokens
+        counts[tuple(tokens)] += 1
     return counts
 
 
