@@ -19,9 +19,9 @@ from target_service.errors import InvalidArgument
 from target_service.logit_bias import LogitBias
 from target_service.session import SessionConfig
 from target_service.types import DraftBlock
+from engine_sessions import decode_step, run_together
 from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 from test_target_engine import _prompt as prompt_ids
-from engine_sessions import decode_step, run_together
 from test_target_grammar import decode, speculate  # random chains and trees around a guide
 
 NEW = 24
