@@ -1,5 +1,5 @@
-"""What presence and frequency penalties (or a repetition penalty, a logit bias, a min_tokens floor)
-cost, and that speculation keeps them: a running stack's completions with and without them,
+"""What presence and frequency penalties (or a repetition penalty, a logit bias, a min_tokens floor,
+min_p) cost, and that speculation keeps them: a running stack's completions with and without them,
 speculative and autoregressive, interleaved per prompt.
 
 Per prompt of the bench set, greedy, ``ignore_eos``, each of four lanes in turn (``on``/``off`` x
@@ -8,12 +8,14 @@ per second of each lane over the run, their ratios, and in how many prompts the 
 autoregressive answers under the penalties were the same text. ``--ban WORD ...`` measures
 ``logit_bias`` instead: -100 on each token of those words (ids from the server's ``/tokenize``);
 ``--repetition R`` the ``repetition_penalty`` R; ``--floor`` ``min_tokens`` at ``max_tokens`` without
-``ignore_eos`` (the end-of-sequence token held back on every row).
+``ignore_eos`` (the end-of-sequence token held back on every row); ``--min-p P`` ``min_p`` P, which
+only sampled requests feel: with ``--temperature T`` every lane samples (prompt i seeded i).
 
     tandem serve &   # or any stack
     python benchmarks/penalties_cost.py --url http://127.0.0.1:8000 --limit 12 --max-tokens 64
     python benchmarks/penalties_cost.py --ban " the" " a" "," --limit 12
     python benchmarks/penalties_cost.py --repetition 1.1 --limit 12
+    python benchmarks/penalties_cost.py --min-p 0.05 --temperature 1 --limit 12
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import httpx
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "prompts.jsonl"
 
 
-def complete(client: httpx.Client, prompt: str, speculation: str, shaped: dict, max_tokens: int) -> tuple:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculation": speculation,
+def complete(client: httpx.Client, prompt: str, speculation: str, shaped: dict, max_tokens: int,
+             temperature: float = 0.0, seed: int = 0) -> tuple:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "speculation": speculation,
             "ignore_eos": True, **shaped}
+    if temperature:
+        body["seed"] = seed
     started = time.perf_counter()
     response = client.post("/v1/completions", json=body)
     seconds = time.perf_counter() - started
@@ -49,6 +54,8 @@ def main() -> None:
     parser.add_argument("--ban", nargs="+", metavar="WORD", help="measure logit_bias -100 on these words' tokens")
     parser.add_argument("--repetition", type=float, help="measure this repetition_penalty instead")
     parser.add_argument("--floor", action="store_true", help="measure min_tokens = --max-tokens (EOS held back)")
+    parser.add_argument("--min-p", type=float, help="measure this min_p instead (with --temperature)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every lane's temperature (default 0: greedy)")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.limit]
@@ -68,12 +75,15 @@ def main() -> None:
             what, shaping = f"repetition_penalty {args.repetition:g}", {"repetition_penalty": args.repetition}
         elif args.floor:
             what, shaping = "min_tokens at max_tokens", {"min_tokens": args.max_tokens, "ignore_eos": False}
+        elif args.min_p is not None:
+            what, shaping = f"min_p {args.min_p:g}", {"min_p": args.min_p}
         bodies = {False: {}, True: shaping}
         complete(client, prompts[0], "on", shaping, args.max_tokens if args.floor else 8)  # warm-up, unmeasured
         for i, prompt in enumerate(prompts):
             texts = {}
             for lane in lanes if i % 2 == 0 else reversed(lanes):
-                took, n, texts[lane] = complete(client, prompt, lane[0], bodies[lane[1]], args.max_tokens)
+                took, n, texts[lane] = complete(client, prompt, lane[0], bodies[lane[1]], args.max_tokens,
+                                                args.temperature, seed=i)
                 seconds[lane] += took
                 tokens[lane] += n
             same += texts[("on", True)] == texts[("off", True)]
@@ -83,7 +93,8 @@ def main() -> None:
         print(f"{mode:>3}: {without:6.1f} tok/s without, {with_:6.1f} with {what} ({with_ / without:.2f}x)")
     print(f"on/off with {what}: {rate[('on', True)] / rate[('off', True)]:.2f}x; "
           f"without: {rate[('on', False)] / rate[('off', False)]:.2f}x")
-    print(f"speculative and autoregressive answers under {what} the same: {same} of {len(prompts)}")
+    if not args.temperature:  # sampled answers are the same in distribution, not text for text
+        print(f"speculative and autoregressive answers under {what} the same: {same} of {len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         temperature=request.temperature if request.HasField("temperature") else None,
         top_p=request.top_p if request.HasField("top_p") else None,
         top_k=request.top_k if request.HasField("top_k") else None,
+        min_p=request.min_p if request.HasField("min_p") else None,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),

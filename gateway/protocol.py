@@ -112,6 +112,9 @@ class _GenerationBody(_StrictBody):
     speculation: str | None = Field(None, description='"auto" (default), "on" or "off"')
     num_speculative_tokens: int | None = Field(None, description="draft length K for this request (1..64)")
     top_k: int | None = Field(None, description="sample from the k most likely tokens (0 = all)")
+    min_p: float | None = Field(
+        None, description="drop tokens less probable than min_p times the most probable one (vLLM's and llama.cpp's)"
+    )
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (vLLM's extension)")
     include_stop_str_in_output: bool = Field(
@@ -143,6 +146,7 @@ class _GenerationBody(_StrictBody):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             n=self.n,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),

@@ -109,6 +109,7 @@ class ResponsesRequest(_Body):
     speculation: str | None = None
     num_speculative_tokens: int | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stream_smoothing: str | None = None
 
@@ -135,6 +136,7 @@ class ResponsesRequest(_Body):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,

@@ -54,6 +54,7 @@ class RequestFields:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None  # vLLM's and llama.cpp's; None: 0 (none)
     seed: int | None = None
     n: int | None = None
     stop: tuple[str, ...] = ()
@@ -216,10 +217,13 @@ class RequestValidator:
         top_k = 0 if fields.top_k is None else fields.top_k
         if top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}", param="top_k")
+        min_p = 0.0 if fields.min_p is None else fields.min_p
+        if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {min_p}", param="min_p")
         if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:
             raise InvalidRequest(f"seed must be between 0 and 2**64-1, got {fields.seed}", param="seed")
         # top_k beyond the vocabulary truncates nothing; clamping keeps it within int32 on the wire.
-        return SamplingParams(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed)
+        return SamplingParams(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed, min_p)
 
     @staticmethod
     def _speculation(fields: RequestFields) -> tuple[Speculation, int | None]:

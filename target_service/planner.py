@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.telemetry.metrics import Metrics
-from target_service import acceptance, kv_cache, min_tokens, tree
+from target_service import acceptance, kv_cache, min_p, min_tokens, tree
 from target_service.logprobs import token_logprobs
 from target_service.types import (
     DraftBlock,
@@ -257,9 +257,10 @@ class Planner:
     ) -> RowScores:
         """The scores a session's tokens are taken from: its logits without stop tokens where
         ``min_tokens`` holds them back (``target_service.min_tokens``), biased and penalised at each
-        row (``target_service.logit_bias``, ``target_service.penalties``), and with what its grammar
-        forbids there masked out (``target_service.grammar``), where it has them; the scores as they
-        are otherwise. Log-probabilities stay the model's own, from the logits before any of these."""
+        row (``target_service.logit_bias``, ``target_service.penalties``), with what its grammar
+        forbids there masked out (``target_service.grammar``) and then what min_p drops
+        (``target_service.min_p``), where it has them; the scores as they are otherwise.
+        Log-probabilities stay the model's own, from the logits before any of these."""
         if not session.reshapes_logits:
             return scores
         logits = scores.logits
@@ -272,6 +273,8 @@ class Planner:
             logits = session.penalties.applied(logits, drafts, parents)  # [rows, vocab]
         if session.constraint is not None:
             logits = session.constraint.masked(logits, drafts, parents, self.runner.mask_rows)
+        if session.config.cuts_by_min_p:
+            logits = min_p.masked(logits, session.config.temperature, session.config.min_p)  # [rows, vocab]
         return RowScores(logits=logits)
 
     # ----------------------------------------------------------------------------- committing

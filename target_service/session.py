@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from kernels.reference.sampling import GREEDY_TEMPERATURE
 from target_service.types import FinishReason, Grammar, SessionParams
 from target_service.errors import InvalidArgument, SessionExists, SessionNotFound, TooManySessions
 from target_service import kv_cache
@@ -40,6 +41,7 @@ class SessionConfig:
     top_p: float = 0.0  # 0 or 1 = no top-p
     top_k: int = 0  # 0 = no top-k
     seed: int | None = None  # None = a fresh random seed
+    min_p: float = 0.0  # 0 = none (target_service.min_p)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     return_hidden_states: bool = False
@@ -57,9 +59,14 @@ class SessionConfig:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def cuts_by_min_p(self) -> bool:
+        """Whether min_p drops tokens (a greedy session's argmax always stays)."""
+        return self.min_p > 0.0 and self.temperature >= GREEDY_TEMPERATURE
+
+    @property
     def reshapes_logits(self) -> bool:
         """Whether tokens are chosen from logits other than the model's: biased, penalised or masked."""
-        return bool(self.logit_bias) or self.penalized or self.grammar is not None
+        return bool(self.logit_bias) or self.penalized or self.grammar is not None or self.cuts_by_min_p
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -70,6 +77,7 @@ class SessionConfig:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
+            min_p=sampling.min_p,
             ignore_eos=params.ignore_eos,
             stop_token_ids=params.stop_token_ids,
             return_hidden_states=return_hidden_states,

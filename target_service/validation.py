@@ -50,6 +50,8 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
         raise InvalidArgument(f"top_p must be in [0, 1], got {config.top_p}")
     if config.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {config.top_k}")
+    if math.isnan(config.min_p) or not 0 <= config.min_p <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1], got {config.min_p}")
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
     if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")

@@ -106,6 +106,19 @@ def test_sampling_is_seeded_per_session(draft):
     assert draft_seed(11) != 11 and draft_seed(11) == draft_seed(11)
 
 
+def test_session_min_p_narrows_q_as_the_target_cuts(draft):
+    cut = _first_q(draft, SamplingParams(temperature=0.1, seed=1, min_p=0.3), top_k=32)
+    with torch.inference_mode():
+        logits = draft.model(torch.tensor([PROMPT])).logits[0, -1]  # [vocab]
+    probs = torch.softmax(logits / 0.1, -1)  # [vocab]
+    kept = (probs >= 0.3 * probs.max()).nonzero().squeeze(1).tolist()
+    assert 1 < len(kept) < 32  # within the draft's own top-k: min_p decides
+    first = cut.probs[0]
+    assert sorted(first.token_ids) == sorted(kept)
+    expected = probs[list(first.token_ids)] / probs[kept].sum()
+    assert torch.allclose(torch.tensor(first.probs), expected, atol=1e-5)
+
+
 def test_session_top_k_and_top_p_narrow_q(draft):
     narrow = _first_q(draft, SamplingParams(temperature=1.0, top_k=3, seed=1))
     assert all(len(dist.token_ids) <= 3 for dist in narrow.probs)

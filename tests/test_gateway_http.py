@@ -164,13 +164,15 @@ async def test_stop_strings_and_extension_fields(stack, sdk):
     response = await sdk.chat.completions.create(
         model=model_name(stack), messages=[{"role": "user", "content": "Hi"}], stop=["日本"],
         # "on": a seeded sampled request would otherwise decode autoregressively (reason "seeded").
-        extra_body={"num_speculative_tokens": 6, "top_k": 5, "ignore_eos": True, "speculation": "on"}, seed=7,
+        extra_body={"num_speculative_tokens": 6, "top_k": 5, "ignore_eos": True, "speculation": "on", "min_p": 0.05},
+        seed=7,
     )
     assert response.choices[0].message.content == "Hello wörld ✓ "
     assert response.choices[0].finish_reason == "stop"
     request = stack.model.speculate_requests[-1]
     assert request.num_speculative_tokens == 6
     assert (request.params.sampling.top_k, request.params.sampling.seed, request.params.ignore_eos) == (5, 7, True)
+    assert request.params.sampling.min_p == pytest.approx(0.05)  # float32 on the wire
     assert request.params.max_new_tokens == 32  # the gateway's default_max_tokens for chat
     await stack.wait_until_idle()
 
@@ -302,6 +304,8 @@ BAD_HTTP = [
     ("min_tokens negative", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
     ("repetition_penalty 0", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("repetition_penalty 3", {"prompt": "hi", "repetition_penalty": 3}, "repetition_penalty"),
+    ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("min_p negative", {"prompt": "hi", "min_p": -0.1}, "min_p"),
     ("truncate_prompt_tokens 0", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 BAD_CHAT = [
@@ -389,9 +393,9 @@ async def test_neutral_values_of_unsupported_features_are_accepted(stack):
     await stack.wait_until_idle()
 
 
-async def test_penalties_reach_the_target_from_http_and_grpc(stack):
-    """OpenAI's presence and frequency penalties go to the target's session as they were sent
-    (HTTP), or as the gRPC request's optional fields; unset, 0."""
+async def test_penalties_and_min_p_reach_the_target_from_http_and_grpc(stack):
+    """OpenAI's presence and frequency penalties, the repetition penalty and min_p go to the target's
+    session as they were sent (HTTP), or as the gRPC request's optional fields; unset, neutral."""
     body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.25}
     assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
@@ -400,12 +404,14 @@ async def test_penalties_reach_the_target_from_http_and_grpc(stack):
     assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2})).status_code == 200
     params = stack.model.prefilled[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
+    assert params.sampling.min_p == 0
     async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
         request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75,
-                                                            repetition_penalty=0.5)
+                                                            repetition_penalty=0.5, min_p=0.25)
         [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
     params = stack.model.prefilled[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0.75, 0.5)
+    assert params.sampling.min_p == 0.25
     await stack.wait_until_idle()
 
 

@@ -44,6 +44,8 @@ BAD = [
     ("top_p 2", prompt(top_p=2.0), "top_p", "(0, 1]"),
     ("top_p NaN", prompt(top_p=math.nan), "top_p", "(0, 1]"),
     ("top_k negative", prompt(top_k=-1), "top_k", ">= 0"),
+    ("min_p above 1", prompt(min_p=1.01), "min_p", "[0, 1]"),
+    ("min_p NaN", prompt(min_p=math.nan), "min_p", "[0, 1]"),
     ("n 0", prompt(n=0), "n", "n must be between 1 and 16"),
     ("n 17", prompt(n=17), "n", "n must be between 1 and 16"),
     ("seed negative", prompt(seed=-1), "seed", "seed"),
@@ -79,6 +81,7 @@ def test_defaults(validator):
     request = validator.validate(prompt())
     assert request.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
     assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k) == (1.0, 1.0, 0)
+    assert request.sampling.min_p == 0.0
     assert request.speculation is Speculation.AUTO and request.num_speculative_tokens is None
     assert request.stop == () and request.stop_token_ids == ()
 
@@ -103,8 +106,9 @@ def test_token_prompts_in_every_accepted_shape(validator, tokenizer):
 def test_valid_extremes_are_accepted(validator):
     request = validator.validate(
         RequestFields(prompt=[5], temperature=0.0, top_p=1.0, top_k=10**6, seed=2**64 - 1, num_speculative_tokens=64,
-                      speculation="off", max_tokens=CONTEXT - 1, n=1, model="tiny")
+                      speculation="off", max_tokens=CONTEXT - 1, n=1, model="tiny", min_p=1.0)
     )
+    assert request.sampling.min_p == 1.0
     assert request.sampling.top_k == len(validator._model.tokenizer)  # clamped: no truncation
     assert request.speculation is Speculation.OFF and request.max_tokens == CONTEXT - 1
 

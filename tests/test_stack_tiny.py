@@ -186,6 +186,20 @@ def test_penalties_change_the_answer_and_speculation_keeps_it(stack) -> None:
     assert answers["off", 1.5] != answers["off", 0.0]
 
 
+def test_min_p_reaches_the_target_through_speculation(stack) -> None:
+    """min_p 1 keeps only each step's most probable token, so a sampled request is the greedy answer,
+    speculating or not (the draft samples its proposals; the target verifies them against the cut)."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    greedy = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    for speculation in ("on", "off"):
+        done = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=40, temperature=0.8, seed=5,
+                                         extra_body={"speculation": speculation, "ignore_eos": True, "min_p": 1})
+        assert done.choices[0].text == greedy, speculation
+        mode = done.usage.model_extra["speculative_decoding"]["mode"]
+        assert mode == ("speculative" if speculation == "on" else "autoregressive"), mode
+
+
 def test_logit_bias_bans_tokens_and_speculation_keeps_the_answer(stack) -> None:
     """Tokens banned with -100 never appear; the biased answer is the same speculating or not, over
     HTTP (the OpenAI SDK) and gRPC."""

@@ -9,7 +9,8 @@ serving path under load; ``engine_sessions``). The empirical joint
 distribution of those 3 tokens (125 cells) is compared with the exact joint computed from full
 forward passes: chi-square goodness of fit (cells expecting < 5 pooled) with p-value > 1e-3, and
 total variation below 1.5x the mean TV of an exact sampler at that sample size. Seeds are fixed,
-so the test is deterministic.
+so the test is deterministic. One chain case adds min_p (``target_service.min_p``) under top-p, and
+shows that the other order of the two (min_p last) would fail it.
 """
 
 from __future__ import annotations
@@ -36,14 +37,23 @@ TRIALS = 2500
 Q = (SparseDist((0, 1, 2), (0.5, 0.3, 0.2)), SparseDist((3, 4), (0.7, 0.3)))
 
 
-def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarray:
-    """P(t1, t2, t3) after PROMPT, [VOCAB, VOCAB, VOCAB], from uncached forward passes."""
+def exact_joint(model, temperature: float, top_p: float, top_k: int, min_p: float = 0.0,
+                min_p_last: bool = False) -> np.ndarray:
+    """P(t1, t2, t3) after PROMPT, [VOCAB, VOCAB, VOCAB], from uncached forward passes. ``min_p``
+    drops the tokens below min_p times the best one's probability (after the temperature) before
+    top-k and top-p, as vLLM orders them; ``min_p_last`` after them instead (Hugging Face's and
+    llama.cpp's order, to show that the order is tested)."""
     params = (torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]))
 
     @torch.inference_mode()
     def p(prefix: list[int]) -> np.ndarray:
-        logits = model(torch.tensor([PROMPT + prefix])).logits[:, -1:]  # [1, 1, vocab]
-        return target_probs(logits, *params)[0, 0].double().numpy()
+        logits = model(torch.tensor([PROMPT + prefix])).logits[:, -1:].double()  # [1, 1, vocab]
+        if min_p and not min_p_last:
+            logits = logits.masked_fill(~_min_p_kept(logits, temperature, min_p), float("-inf"))
+        probs = target_probs(logits, *params).double()  # [1, 1, vocab]
+        if min_p and min_p_last:
+            probs = probs * _min_p_kept(logits, temperature, min_p)
+        return (probs / probs.sum())[0, 0].numpy()
 
     joint = np.zeros((VOCAB,) * 3)
     p1 = p([])
@@ -52,6 +62,12 @@ def exact_joint(model, temperature: float, top_p: float, top_k: int) -> np.ndarr
         for t2 in range(VOCAB):
             joint[t1, t2] = p1[t1] * p2[t2] * p([t1, t2])
     return joint
+
+
+def _min_p_kept(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    """Which tokens min_p keeps, by its definition over probabilities (float64): p >= min_p * max(p)."""
+    probs = torch.softmax(logits / temperature, dim=-1)  # [..., vocab]
+    return probs >= min_p * probs.amax(dim=-1, keepdim=True)
 
 
 # A token tree of deterministic guesses: 0 and 2 after the root, 1 and 3 after 0, 4 after 2.
@@ -67,12 +83,13 @@ def tree_block(rng: random.Random, base_len: int, session_id: str = "s") -> Draf
     return DraftBlock(session_id, base_len, TREE_TOKENS, draft_parents=TREE_PARENTS)
 
 
-def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int, block=chain_block) -> np.ndarray:
+def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int, min_p: float,
+                     block=chain_block) -> np.ndarray:
     """Counts of the first 3 generated tokens over TRIALS speculative sessions, run 50 at a time
     (``run_together``): prefilled, one block verified, then decoded until each has 3."""
     rng = random.Random(0)
     configs = [SessionConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial,
-                             ignore_eos=True) for trial in range(TRIALS)]
+                             ignore_eos=True, min_p=min_p) for trial in range(TRIALS)]
 
     def one_block(session_id: str, tokens: list[int], call: int) -> DraftBlock | DecodeStep:
         return block(rng, len(PROMPT) + len(tokens), session_id) if call == 1 else decode_step(session_id, tokens, call)
@@ -106,35 +123,40 @@ def assert_matches(counts: np.ndarray, expected: np.ndarray) -> float:
     return mean_tv
 
 
-@pytest.mark.parametrize(
-    "temperature, top_p, top_k",
-    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
-)
+CASES = [
+    pytest.param(1.0, 0.0, 0, 0.0, id="t1"),
+    pytest.param(0.9, 0.8, 4, 0.0, id="t0.9-topp0.8-topk4"),
+    pytest.param(1.6, 0.8, 0, 0.4, id="t1.6-topp0.8-minp0.4"),
+]
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", CASES)
 def test_speculative_sampling_matches_the_target_distribution(
-    small_vocab_target, one_thread, temperature, top_p, top_k
+    small_vocab_target, one_thread, temperature, top_p, top_k, min_p
 ) -> None:
     engine = TargetEngine(small_vocab_target)
-    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
-    counts = sample_sequences(engine, temperature, top_p, top_k).ravel()
+    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k, min_p).ravel()
+    counts = sample_sequences(engine, temperature, top_p, top_k, min_p).ravel()
     mean_tv = assert_matches(counts, expected)
+    if min_p:
+        # Power: min_p after top-p (Hugging Face's order) would be outside the TV bound.
+        other = exact_joint(small_vocab_target.model, temperature, top_p, top_k, min_p, min_p_last=True).ravel()
+        assert 0.5 * np.abs(other - expected).sum() > 3 * mean_tv
     # The test has power: committing the draft tokens unconditionally (t2 ~ q_1, t3 ~ q_2) would be
     # far outside the TV bound.
     naive = np.einsum("a,b,c->abc", expected.reshape((VOCAB,) * 3).sum((1, 2)), *(_dense(q) for q in Q)).ravel()
     assert 0.5 * np.abs(naive - expected).sum() > 3 * mean_tv
 
 
-@pytest.mark.parametrize(
-    "temperature, top_p, top_k",
-    [pytest.param(1.0, 0.0, 0, id="t1"), pytest.param(0.9, 0.8, 4, id="t0.9-topp0.8-topk4")],
-)
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", CASES[:2])  # min_p cuts each row as in chains
 def test_sampled_token_trees_match_the_target_distribution(
-    small_vocab_target, one_thread, temperature, top_p, top_k
+    small_vocab_target, one_thread, temperature, top_p, top_k, min_p
 ) -> None:
     """A sampled session's tree block: the target draws its token at each node on the walk and
     follows the child holding it, so every committed token is the target's own draw."""
     engine = TargetEngine(small_vocab_target)
-    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k).ravel()
-    counts = sample_sequences(engine, temperature, top_p, top_k, block=tree_block).ravel()
+    expected = exact_joint(small_vocab_target.model, temperature, top_p, top_k, min_p).ravel()
+    counts = sample_sequences(engine, temperature, top_p, top_k, min_p, block=tree_block).ravel()
     mean_tv = assert_matches(counts, expected)
     # Power: a walk that took the root's first child whenever the target's draw was either child
     # (ignoring which one was drawn) would be outside the TV bound (1.5x mean) by a margin.

@@ -26,8 +26,8 @@ class TopKSampler:
     """Samples a draft token from the renormalised top-k of the tempered logits and returns q.
 
     q is exactly sparse (zero outside the kept ids), so the target's rejection sampling is exact
-    with it and it stays small on the wire. The session's own top_k / top_p narrow q further when
-    set: tokens the target can never produce would only be rejected.
+    with it and it stays small on the wire. The session's own top_k / top_p / min_p narrow q further
+    when set: tokens the target can never produce would only be rejected.
     """
 
     def __init__(self, sampling: SamplingParams, draft_top_k: int) -> None:
@@ -36,6 +36,7 @@ class TopKSampler:
         self.temperature = sampling.temperature
         self.top_k = min(draft_top_k, sampling.top_k) if sampling.top_k > 0 else draft_top_k
         self.top_p = sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0
+        self.min_p = sampling.min_p
         self.generator = torch.Generator(device="cpu")
         if sampling.seed is None:
             self.generator.seed()
@@ -52,6 +53,11 @@ class TopKSampler:
         values, ids = torch.topk(logits.float() / self.temperature, k)  # [k], [k], descending
         probs = torch.softmax(values.cpu(), dim=-1)  # [k]: the top-k renormalised
         ids = ids.cpu()
+        if self.min_p > 0.0:
+            # As the target cuts (target_service.min_p), before top-p; the top token always stays.
+            keep = probs >= self.min_p * probs[0]  # [k]
+            probs, ids = probs[keep], ids[keep]
+            probs = probs / probs.sum()
         if self.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             keep = (torch.cumsum(probs, dim=-1) - probs) < self.top_p  # [k]

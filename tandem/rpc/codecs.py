@@ -71,12 +71,13 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         top_p=message.top_p,
         top_k=message.top_k,
         seed=message.seed if message.HasField("seed") else None,
+        min_p=message.min_p,
     )
 
 
 def sampling_params_to_wire(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed, min_p=params.min_p
     )
 
 

@@ -45,6 +45,7 @@ class SamplingParams:
     top_p: float = 0.0  # 0 or 1: no nucleus truncation
     top_k: int = 0  # 0: no top-k truncation
     seed: int | None = None  # None: the session draws a fresh random seed
+    min_p: float = 0.0  # in [0, 1]; 0: none (target_service.min_p)
 
     @property
     def greedy(self) -> bool:
