@@ -12,6 +12,7 @@ from test_target_grammar import decode
 
 from draft_service import wire
 from draft_service.loop import SpeculationLoop
+from draft_service.proposers.hf import HfProposer
 from draft_service.proposers.ngram import NgramProposer
 from draft_service.proposers.ngram_first import NgramFirstProposer
 from draft_service.proposers.shaping import ShapedLogits
@@ -84,3 +85,29 @@ async def test_penalised_speculation_equals_the_targets_penalised_decoding(llama
     tokens = [first.token_id, *(t for r in [r async for r in loop.rounds()] for t in r.token_ids)]
     assert tokens == expected and banned not in tokens
     assert tokens != generate_greedy(llama.model, PROMPT, n, None)
+
+
+async def test_a_model_draft_drafts_with_the_shaping_and_the_answer_is_the_targets(llama) -> None:
+    """A transformers draft (``hf``; here the target's own model) shapes its logits as the target
+    does: with the shaping its greedy drafts are the target's penalised answer and nearly all are
+    accepted; without it, far fewer. The answer is the target's either way, and a banned token is
+    never drafted."""
+    n, banned = 24, PROMPT[1]
+    config = SessionConfig(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
+                           logit_bias=((banned, -100.0),))
+    shaping = LogitShaping(frequency=0.4, repetition=1.3, bias=((banned, -100.0),), generated_from=len(PROMPT))
+    expected = decode(TargetEngine(llama), PROMPT, config, "ar")
+    proposer = HfProposer(llama)
+    accepted = {}
+    for shaped in (shaping, None):
+        engine = TargetEngine(llama)
+        first = engine.prefill("s", PROMPT, config)
+        committed = (*PROMPT, first.token_id)
+        spec = SessionSpec("s", committed, len(PROMPT), SamplingParams(), 3, session_max_new_tokens=n, shaping=shaped)
+        session = proposer.new_session(committed, SamplingParams(), shaped)
+        rounds = [r async for r in SpeculationLoop(spec, session, EngineVerifier(engine), run_inline).rounds()]
+        assert [first.token_id, *(t for r in rounds for t in r.token_ids)] == expected
+        accepted[shaped is not None] = sum(r.num_accepted for r in rounds) / sum(r.num_draft_tokens for r in rounds)
+        if shaped is not None:
+            assert banned not in session.propose(4).token_ids
+    assert accepted[True] > 0.8 and accepted[True] > accepted[False] + 0.2, accepted

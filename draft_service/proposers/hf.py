@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from draft_service.block_length import confidence_source
 from draft_service.proposers.base import Proposer, ProposerSession
 from draft_service.proposers.sampling import TopKSampler
+from draft_service.proposers.shaping import ShapedLogits
 from draft_service.types import LogitShaping, Proposal, SamplingParams, SparseDist
 from tandem.models import LoadedModel, tokenizer_fingerprint
 
@@ -85,11 +86,17 @@ class HfSession(ProposerSession):
     token is not in the cache yet (feeding it yields the logits of the next position).
     """
 
-    def __init__(self, proposer: HfProposer, token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def __init__(self, proposer: HfProposer, token_ids: Sequence[int], sampling: SamplingParams,
+                 shaping: LogitShaping | None = None) -> None:
         if not token_ids:
             raise ValueError("a draft session needs at least one committed token")
         self._proposer = proposer
         self._committed: list[int] = list(token_ids)
+        # The target's penalties and bias, applied to every step's logits (draft_service.proposers.shaping).
+        self._shaped = None
+        if shaping is not None and shaping.active:
+            self._shaped = ShapedLogits(shaping, proposer.scored_ids)
+            self._shaped.commit(self._committed)
         self._cache: DynamicCache | None = DynamicCache()
         self._cached: list[int] = []  # the ids whose keys/values are in the cache, in order
         self._sampler = None if sampling.greedy else TopKSampler(sampling, proposer.draft_top_k)
@@ -141,6 +148,8 @@ class HfSession(ProposerSession):
         committed = self._committed
         del committed[base_len:]
         committed.extend(token_ids)
+        if self._shaped is not None:
+            self._shaped.commit(committed)
         # committed[:base_len] did not change, so the cache agrees with it up to there; past
         # base_len it holds the last proposal, which agrees as far as the target accepted it.
         keep = min(base_len, len(self._cached))
@@ -158,7 +167,8 @@ class HfSession(ProposerSession):
         self._cached = []
 
     def _feed(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Runs the draft over new tokens; returns the next-token logits, [vocab_limit]."""
+        """Runs the draft over new tokens; returns the next-token logits, [vocab_limit], shaped as
+        the target's are where the session has penalties or a bias."""
         if self._cache is None:
             raise RuntimeError("draft session used after close")
         vocab = self._proposer.vocab_map
@@ -166,7 +176,8 @@ class HfSession(ProposerSession):
         input_ids = torch.tensor([fed], dtype=torch.long, device=self._proposer.device)  # [1, n]
         out = self._proposer.model(input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=1)
         self._cached.extend(token_ids)
-        return out.logits[0, -1, : self._proposer.vocab_limit]  # [vocab_limit]
+        logits = out.logits[0, -1, : self._proposer.vocab_limit]  # [vocab_limit]
+        return logits if self._shaped is None else self._shaped.apply(logits[None])[0]
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, SparseDist | None]:
         """A draft token (target id) from the logits over the draft's (maybe reduced) vocabulary."""
@@ -207,6 +218,10 @@ class HfProposer(Proposer):
                     f"vocabulary of {vocab_limit}"
                 )
             self.vocab_limit = min(draft_vocab, self.vocab_map.size)
+        # [vocab_limit] the target id each logit scores (a session's shaping is indexed by them)
+        mapped = self.vocab_map
+        self.scored_ids = (torch.arange(self.vocab_limit) if mapped is None else mapped.vocab_ids[: self.vocab_limit]).to(
+            self.device)
         self._max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
 
     @property
@@ -229,4 +244,4 @@ class HfProposer(Proposer):
 
     def new_session(self, token_ids: Sequence[int], sampling: SamplingParams,
                     shaping: LogitShaping | None = None) -> HfSession:
-        return HfSession(self, token_ids, sampling)
+        return HfSession(self, token_ids, sampling, shaping)

@@ -1,11 +1,11 @@
-"""The session's logit shaping, as the eagle head drafts with it.
+"""The session's logit shaping, as the eagle head and a model draft (``hf``) draft with it.
 
 The target chooses a penalised or biased session's tokens from reshaped logits: its logit bias,
 then the repetition penalty over the prompt and the generated text, then the presence and frequency
 penalties over the generated text (``target_service.logit_bias``, ``target_service.penalties``).
-A head that drafts from the model's own logits proposes what the target has been told to avoid
+A drafter that drafts from its model's own logits proposes what the target has been told to avoid
 (the repeats a repetition penalty discourages, a banned token), and those drafts are rejected. So
-the head's logits are reshaped the same way before it picks, ranks or samples its drafts.
+its logits are reshaped the same way before it picks, ranks or samples its drafts.
 
 Only acceptance depends on this: the target verifies every draft against its own reshaped
 distribution, and a sampled draft's q is the distribution it was drawn from, so the committed text
@@ -26,8 +26,8 @@ from draft_service.types import LogitShaping
 
 
 class ShapedLogits:
-    """One session's shaping over a head's reduced vocabulary (``vocab_ids`` [reduced]: each index's
-    target id), updated at each commit and applied to each step's logits."""
+    """One session's shaping over a drafter's (maybe reduced) vocabulary (``vocab_ids`` [reduced]:
+    each logit index's target id), updated at each commit and applied to each step's logits."""
 
     def __init__(self, shaping: LogitShaping, vocab_ids: torch.Tensor) -> None:
         self._shaping = shaping
