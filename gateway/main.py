@@ -34,6 +34,7 @@ from gateway.http_app import create_app
 from gateway.monitor import UpstreamMonitor
 from gateway.policy import PolicyConfig, SpeculationPolicy
 from gateway.prior import TemperaturePrior
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.served_model import ServedModel, config_context_len
 from gateway.pool import Member, Pool
 from gateway.upstream import GrpcDraft, GrpcTarget
@@ -123,6 +124,12 @@ async def start_gateway(
         max_context_len = await asyncio.to_thread(config_context_len, spec)
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len,
                         fingerprint)
+    defaults = SamplingDefaults()
+    if settings.generation_config == "auto":
+        defaults = await asyncio.to_thread(SamplingDefaults.of_checkpoint, resolve(spec).hf_dir)
+        if defaults.given():
+            log.info("sampling defaults from the model's generation_config.json (a request's own fields win; "
+                     "--generation-config none: OpenAI's): %s", defaults.given())
 
     keys = _api_keys(settings)
     security = _security(settings)
@@ -148,7 +155,7 @@ async def start_gateway(
     core = GatewayCore(
         model,
         deps,
-        RequestValidator(model, settings.default_max_tokens),
+        RequestValidator(model, settings.default_max_tokens, defaults),
         AdmissionControl(settings.max_concurrent_requests, settings.max_concurrent_per_key,
                          settings.rate_limit_per_key),
         monitor,

@@ -15,6 +15,7 @@ from typing import Union
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.served_model import ServedModel
 from gateway.tools import ToolCalling, rendered
 from tandem.rpc.types import (
@@ -78,6 +79,11 @@ class RequestFields:
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
 
 
+def _or(sent, model_default, openai_default):
+    """A sampling field's value: what the request sent, else the model's default, else OpenAI's."""
+    return sent if sent is not None else model_default if model_default is not None else openai_default
+
+
 def prompt_batch(fields: RequestFields) -> list[RequestFields]:
     """A completions request's prompts, each as a request of its own: OpenAI's batch (a list of
     texts, or of token-id lists) is answered as that many requests' choices, prompt after prompt
@@ -89,9 +95,11 @@ def prompt_batch(fields: RequestFields) -> list[RequestFields]:
 
 
 class RequestValidator:
-    def __init__(self, model: ServedModel, default_chat_max_tokens: int) -> None:
+    def __init__(self, model: ServedModel, default_chat_max_tokens: int,
+                 defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self._model = model
         self._default_chat_max_tokens = default_chat_max_tokens
+        self._defaults = defaults  # what a request that leaves a sampling field out gets
 
     def validate(self, fields: RequestFields) -> GenerationRequest:
         self.check_model(fields.model)
@@ -136,7 +144,8 @@ class RequestValidator:
             grammar=self._grammar(fields),
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
-            repetition_penalty=self._repetition_penalty(fields.repetition_penalty),
+            repetition_penalty=self._repetition_penalty(
+                _or(fields.repetition_penalty, self._defaults.repetition_penalty, 1.0)),
             logit_bias=self._logit_bias(fields.logit_bias),
             tool_calling=fields.tool_calling,
             prediction_token_ids=self._prediction(fields.prediction),
@@ -173,8 +182,7 @@ class RequestValidator:
         return value
 
     @staticmethod
-    def _repetition_penalty(value: float | None) -> float:
-        value = 1.0 if value is None else value
+    def _repetition_penalty(value: float) -> float:
         if not (math.isfinite(value) and 0 < value <= MAX_REPETITION_PENALTY):
             raise InvalidRequest(f"repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
                                  f"(1: none), got {value}", param="repetition_penalty")
@@ -208,16 +216,17 @@ class RequestValidator:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self._model.name!r}")
 
     def _sampling(self, fields: RequestFields) -> SamplingParams:
-        temperature = 1.0 if fields.temperature is None else fields.temperature
+        defaults = self._defaults
+        temperature = _or(fields.temperature, defaults.temperature, 1.0)
         if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
             raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
-        top_p = 1.0 if fields.top_p is None else fields.top_p
+        top_p = _or(fields.top_p, defaults.top_p, 1.0)
         if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        top_k = 0 if fields.top_k is None else fields.top_k
+        top_k = _or(fields.top_k, defaults.top_k, 0)
         if top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}", param="top_k")
-        min_p = 0.0 if fields.min_p is None else fields.min_p
+        min_p = _or(fields.min_p, defaults.min_p, 0.0)
         if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
             raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {min_p}", param="min_p")
         if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:

@@ -261,6 +261,11 @@ class GatewaySettings(_Base):
     # autoregressively rather than being refused.
     max_concurrent_requests: int = Field(256, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+    generation_config: str = Field(
+        "auto", pattern="^(auto|none)$",
+        description="sampling defaults of requests that leave them out: auto takes temperature, top_p, top_k, min_p "
+        "and repetition_penalty from the model's generation_config.json (as vLLM), none OpenAI's (temperature 1)",
+    )
     # Stream smoothing (gateway.pacer)
     stream_smoothing: str = Field(
         "auto", pattern="^(off|auto)$", description="pace streamed tokens evenly: auto or off (per request too)"
@@ -363,5 +368,10 @@ class ServeSettings(_Base):
     targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
     drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")
+    generation_config: str = Field(
+        "auto", pattern="^(auto|none)$",
+        description="sampling defaults of requests that leave them out: auto takes temperature, top_p, top_k, min_p "
+        "and repetition_penalty from the model's generation_config.json (as vLLM), none OpenAI's (temperature 1)",
+    )
     http_tls_cert: str | None = Field(None, description="the gateway serves HTTPS with this PEM certificate (chain)")
     http_tls_key: str | None = Field(None, description="the PEM private key of --http-tls-cert")

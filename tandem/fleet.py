@@ -188,7 +188,8 @@ def commands(s: ServeSettings, fleet: Fleet) -> list[tuple[str, list[str], str]]
     out.append(("gateway", [*py, "gateway", *common, *served, "--target-model", s.target_model,
                             "--target-address", fleet.target_addresses, "--draft-address", fleet.draft_addresses,
                             "--http-port", str(fleet.http_port), "--grpc-port", str(fleet.grpc_port), *k,
-                            "--stream-smoothing", s.stream_smoothing, *_auth_flags(s)], fleet.gateway_address))
+                            "--stream-smoothing", s.stream_smoothing, *_sampling_flags(s), *_auth_flags(s)],
+                fleet.gateway_address))
     return out
 
 
@@ -198,6 +199,11 @@ def _tls_flags(s: ServeSettings) -> list[str]:
              "--tls-server-name": s.tls_server_name}
     flags = [part for flag, value in given.items() if value for part in (flag, value)]
     return [*flags, "--insecure"] if s.insecure else flags
+
+
+def _sampling_flags(s: ServeSettings) -> list[str]:
+    """The gateway's ``--generation-config`` where it is not the default."""
+    return [] if s.generation_config == "auto" else ["--generation-config", s.generation_config]
 
 
 def _auth_flags(s: ServeSettings) -> list[str]:

@@ -123,6 +123,14 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def test_serve_hands_the_gateway_its_sampling_defaults_choice() -> None:
+    gateway = child_commands(parse("serve", "--generation-config", "none"))[-1]
+    assert flag(gateway.argv, "--generation-config") == "none"
+    assert parse(*gateway.argv[3:]).generation_config == "none"
+    with pytest.raises(SystemExit):
+        parse("serve", "--generation-config", "vllm")
+
+
 def test_a_fleet_of_three_targets_and_two_drafts() -> None:
     s = parse("serve", "--targets", "3", "--drafts", "2")
     children = {c.name: c for c in child_commands(s)}
