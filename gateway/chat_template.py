@@ -15,6 +15,10 @@ A base model continues such a transcript naturally, and would go on to write the
 ``User:`` turn itself; so the fallback also contributes the stop string ``"\\nUser:"``, which ends
 the assistant's turn there (the stop string is not part of the returned text).
 
+A template given at start-up (``--chat-template``, a file or the template itself, as vLLM and
+llama.cpp take one) replaces the tokenizer's own or the fallback: for a base model one would
+rather prompt another way, or a checkpoint whose template is missing or wrong.
+
 Independently of the template, when the vocabulary has an end-of-turn token (Gemma's
 ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``, Phi's ``<|end|>``), chat
 requests stop on it too: instruction-tuned models end their answer with it rather than with EOS.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -71,18 +76,20 @@ class ChatFormat:
     stop_token_ids: tuple[int, ...]
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> ChatFormat:
-        own = getattr(tokenizer, "chat_template", None)
+    def for_tokenizer(cls, tokenizer: Any, template: str | None = None) -> ChatFormat:
+        """The tokenizer's own template, else the fallback; ``template`` (given at start-up) in place
+        of either."""
+        own = template is not None or bool(getattr(tokenizer, "chat_template", None))
         return cls(
             tokenizer=tokenizer,
-            template=None if own else FALLBACK_TEMPLATE,
+            template=template if template is not None else None if own else FALLBACK_TEMPLATE,
             stop_strings=() if own else FALLBACK_STOP_STRINGS,
             stop_token_ids=end_of_turn_ids(tokenizer),
         )
 
     @property
     def uses_fallback(self) -> bool:
-        return self.template is not None
+        return self.template == FALLBACK_TEMPLATE
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         """The prompt text, ending with an open assistant turn (unless ``add_generation_prompt`` is
@@ -98,6 +105,17 @@ class ChatFormat:
     def token_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         # The rendered text already holds BOS (templates write it), so add no special tokens.
         return self.tokenizer(self.render(messages, add_generation_prompt), add_special_tokens=False)["input_ids"]
+
+
+def load_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, or ``value`` itself where it is a
+    Jinja template (it holds ``{{`` or ``{%``); ValueError otherwise."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:

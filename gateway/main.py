@@ -26,6 +26,7 @@ import uvicorn
 from gateway.admission import AdmissionControl
 from gateway.auth import ApiKeys
 from gateway.breaker import BreakerConfig, DraftBreaker
+from gateway.chat_template import ChatMessage, load_template
 from gateway.core import GatewayCore
 from gateway.deps import GenerationDeps, SessionTuning
 from gateway.draft_speeds import DraftSpeeds
@@ -123,7 +124,9 @@ async def start_gateway(
     if max_context_len is None:
         max_context_len = await asyncio.to_thread(config_context_len, spec)
     model = ServedModel(settings.served_model_name or default_served_name(spec), tokenizer, max_context_len,
-                        fingerprint)
+                        fingerprint, _chat_template(settings))
+    if model.chat_template is not None:
+        _check_chat_template(model)
     defaults = SamplingDefaults()
     if settings.generation_config == "auto":
         defaults = await asyncio.to_thread(SamplingDefaults.of_checkpoint, resolve(spec).hf_dir)
@@ -202,6 +205,27 @@ async def start_gateway(
     monitor_task = asyncio.create_task(monitor.watch(health_interval_s))
     return RunningGateway(core, http_port, grpc_port, http, http_task, grpc_server, health, monitor_task,
                           (targets, drafts))
+
+
+def _chat_template(settings: GatewaySettings) -> str | None:
+    """``--chat-template``'s template (None: the tokenizer's own)."""
+    if settings.chat_template is None:
+        return None
+    try:
+        return load_template(settings.chat_template)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"tandem gateway: error: --chat-template: {exc}") from None
+
+
+def _check_chat_template(model: ServedModel) -> None:
+    """Renders a one-message conversation with the template given at start-up, so a broken one stops
+    the start rather than failing every chat request."""
+    try:
+        model.chat.render([ChatMessage("user", "hi")])
+    except (ValueError, TypeError) as exc:  # ChatTemplateError is a ValueError
+        raise SystemExit(f"tandem gateway: error: --chat-template: {exc}") from None
+    log.info("chat requests are rendered with the template --chat-template gave (%d characters)",
+             len(model.chat_template or ""))
 
 
 def _api_keys(settings: GatewaySettings) -> ApiKeys:

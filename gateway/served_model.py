@@ -21,6 +21,8 @@ class ServedModel:
     # tandem.models.tokenizer_fingerprint of the tokenizer: computed where not given (a start reads
     # it from the record tandem.models.tokenizer_facts keeps for the checkpoint's tokenizer files).
     fingerprint: str = ""
+    # A chat template given at start-up (--chat-template) in place of the tokenizer's; None: its own.
+    chat_template: str | None = None
     chat: ChatFormat = field(init=False)
     # Token ids the tokenizer can decode: valid ids are 0 <= id < vocab_size. Counted once: a
     # tokenizer's len() walks its added tokens (~0.4-1 ms), and every request's validation asks.
@@ -30,7 +32,7 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.fingerprint = self.fingerprint or tokenizer_fingerprint(self.tokenizer)
-        self.chat = ChatFormat.for_tokenizer(self.tokenizer)
+        self.chat = ChatFormat.for_tokenizer(self.tokenizer, self.chat_template)
         self.vocab_size = len(self.tokenizer)
         self.strings = TokenStrings(self.tokenizer)
 

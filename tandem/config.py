@@ -261,6 +261,10 @@ class GatewaySettings(_Base):
     # autoregressively rather than being refused.
     max_concurrent_requests: int = Field(256, ge=1, description="more get 429 / RESOURCE_EXHAUSTED")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or a file holding one, for chat requests in place of the "
+        "tokenizer's own (default: its own; without one, tandem's plain transcript)",
+    )
     generation_config: str = Field(
         "auto", pattern="^(auto|none)$",
         description="sampling defaults of requests that leave them out: auto takes temperature, top_p, top_k, min_p "
@@ -367,6 +371,10 @@ class ServeSettings(_Base):
     rate_limit_per_key: float = Field(0.0, ge=0.0, description="requests a minute one API key may start (0 = no limit)")
     targets: int = Field(1, ge=1, le=16, description="target processes (a local fleet; each its own ports)")
     drafts: int = Field(1, ge=1, le=16, description="draft processes (a local fleet; each its own ports)")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or a file holding one, for chat requests in place of the "
+        "tokenizer's own (default: its own; without one, tandem's plain transcript)",
+    )
     stream_smoothing: str = Field("auto", pattern="^(off|auto)$", description="gateway stream smoothing: auto or off")
     generation_config: str = Field(
         "auto", pattern="^(auto|none)$",

@@ -202,8 +202,9 @@ def _tls_flags(s: ServeSettings) -> list[str]:
 
 
 def _sampling_flags(s: ServeSettings) -> list[str]:
-    """The gateway's ``--generation-config`` where it is not the default."""
-    return [] if s.generation_config == "auto" else ["--generation-config", s.generation_config]
+    """The gateway's ``--generation-config`` and ``--chat-template`` where they are not the default."""
+    flags = [] if s.generation_config == "auto" else ["--generation-config", s.generation_config]
+    return flags if s.chat_template is None else [*flags, "--chat-template", s.chat_template]
 
 
 def _auth_flags(s: ServeSettings) -> list[str]:

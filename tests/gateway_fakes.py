@@ -409,8 +409,13 @@ async def fake_stack(
         draft_breaker_cooldown_s=0.0,
     )
     config.update(settings)
-    gateway = await start_gateway(GatewaySettings(**config), tokenizer, health_interval_s=health_interval_s,
-                                  max_context_len=max_context_len)
+    try:
+        gateway = await start_gateway(GatewaySettings(**config), tokenizer, health_interval_s=health_interval_s,
+                                      max_context_len=max_context_len)
+    except BaseException:  # a start refused (SystemExit): the fake upstreams go too
+        for server in servers:
+            await server.stop(None)
+        raise
     try:
         yield FakeStack(model, gateway)
     finally:

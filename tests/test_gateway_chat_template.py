@@ -1,10 +1,20 @@
-"""Chat formatting: the tokenizer's own template, or the documented plain fallback."""
+"""Chat formatting: the tokenizer's own template, or the documented plain fallback; a template given at
+start-up (``--chat-template``) in place of either."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from gateway.chat_template import FALLBACK_STOP_STRINGS, ChatFormat, ChatMessage, ChatTemplateError, end_of_turn_ids
+from gateway.chat_template import (
+    FALLBACK_STOP_STRINGS,
+    ChatFormat,
+    ChatMessage,
+    ChatTemplateError,
+    end_of_turn_ids,
+    load_template,
+)
+from gateway_fakes import fake_stack
 
 MESSAGES = [ChatMessage("system", "You are terse."), ChatMessage("user", "Say hello.")]
 
@@ -56,3 +66,35 @@ def test_end_of_turn_ids_of_a_tokenizer_without_a_tokenizers_backend():
             return {"a": 1, "<|im_end|>": 7, "<end_of_turn>": 9}
 
     assert end_of_turn_ids(Plain()) == (9, 7)
+
+
+OWN = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+       "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_given_at_start_up_replaces_the_tokenizers_or_the_fallback(tokenizer, tmp_path):
+    assert load_template(OWN) == OWN
+    (tmp_path / "chat.jinja").write_text(OWN)
+    assert load_template(str(tmp_path / "chat.jinja")) == OWN
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_template(str(tmp_path / "missing.jinja"))
+    chat = ChatFormat.for_tokenizer(tokenizer, OWN)  # a tokenizer without a template of its own
+    assert not chat.uses_fallback and chat.stop_strings == ()
+    assert chat.render(MESSAGES) == "<system>You are terse.<user>Say hello.<assistant>"
+    templated = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = "{{ 'never used' }}"
+    assert ChatFormat.for_tokenizer(templated, OWN).render(MESSAGES) == chat.render(MESSAGES)
+
+
+async def test_a_gateway_renders_chat_with_the_given_template_and_refuses_a_broken_one(tokenizer, tiny_dir):
+    async with fake_stack(tokenizer, str(tiny_dir), chat_template=OWN) as stack:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as client:
+            answer = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200
+            assert tokenizer.decode(answer.json()["tokens"]) == "<user>hi<assistant>"
+    for broken, message in (("{% for m in messages %}", "--chat-template: "),
+                            ("{{ raise_exception('no user turns here') }}", "no user turns here"),
+                            ("chat.jinja", "neither a file nor a Jinja template")):
+        with pytest.raises(SystemExit, match=message):
+            async with fake_stack(tokenizer, str(tiny_dir), chat_template=broken):
+                pass
