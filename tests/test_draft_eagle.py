@@ -31,7 +31,10 @@ from tandem.config import DraftSettings
 from tandem.models import ModelSpecError, is_eagle_draft, load_model, tokenizer_fingerprint
 from tandem.models import eagle as eagle_module
 from tandem.models.eagle import EagleConfig, EagleHead, load_head, save_head
+from tandem.quant.checkpoint import BLOCKS_FILE, cached_embedding, write_blocks
 from tandem.quant.modules import QuantLinear
+from tandem.quant.reference import dequantize
+from tandem.quant.tensor import QuantizedTensor
 from tandem.quant.native import QuantKernel, probe
 from tandem.rpc import codecs
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -334,6 +337,30 @@ def test_proposer_reports_itself(llama, llama_head):
     assert proposer.drafter.target.head_rows.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in proposer.drafter.head.parameters())
     assert not HfProposer(llama).wants_hidden_states
+
+
+def test_a_converted_gguf_targets_embedding_is_looked_up_from_its_own_blocks(tiny_gguf_gemma, tmp_path):
+    """A target converted from a GGUF keeps the file's blocks beside its float checkpoint; an eagle
+    draft on a CPU looks the embedding's rows up from them: the same values as the float weight in
+    a quarter of its bytes. Blocks that are not the checkpoint's embedding, or none, leave bf16."""
+    hf_dir, gguf_path = tiny_gguf_gemma
+    converted = tmp_path / "converted"
+    shutil.copytree(hf_dir, converted)
+    write_blocks(gguf_path, converted / BLOCKS_FILE)
+    loaded = load_tiny(converted)
+    dense = loaded.model.model.embed_tokens.weight.detach()  # [vocab, hidden] float32
+    blocks = cached_embedding(converted, dense)
+    assert blocks is not None and torch.equal(dequantize(blocks), dense)
+    assert blocks.nbytes < dense.numel() * dense.element_size() / 2
+    assert cached_embedding(hf_dir, dense) is None  # no blocks file: not a conversion
+    assert cached_embedding(converted, dense * 1.01) is None  # not this checkpoint's embedding
+    head = make_head(tmp_path / "head", loaded)
+    proposer = load_eagle(head, loaded, dtype=torch.float32)
+    assert isinstance(proposer.drafter.target.embed, QuantizedTensor)
+    ids = torch.tensor([0, 7, int(dense.shape[0]) - 1])
+    assert torch.equal(proposer.drafter.embed(ids), dense[ids])
+    plain = load_eagle(make_head(tmp_path / "plain-head", load_tiny(hf_dir)), load_tiny(hf_dir))
+    assert plain.drafter.target.embed.dtype == torch.bfloat16
 
 
 def test_a_heads_acceptance_prior_is_loaded_with_it(llama, llama_head, tmp_path):

@@ -46,7 +46,9 @@ from tandem.models.eagle import (
     load_target_tensors,
     target_mismatches,
 )
+from tandem.quant.checkpoint import cached_embedding
 from tandem.quant.native import QuantKernel
+from tandem.quant.tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +267,13 @@ class EagleSession(ProposerSession):
         return self._sampler.sample(logits, vocab_ids)
 
 
+def _described(embed: torch.Tensor | QuantizedTensor) -> str:
+    """How the target embedding is held, for the load's log line."""
+    if isinstance(embed, QuantizedTensor):
+        return f"on its {embed.source} blocks"
+    return str(embed.dtype).removeprefix("torch.")
+
+
 def _top(logits: torch.Tensor) -> tuple[float, int]:
     """The head's most likely reduced index and the probability it gives it (logits: [reduced])."""
     probability, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
@@ -315,8 +324,10 @@ class EagleProposer(Proposer):
         """Loads a head directory and the target's embedding and reduced LM-head rows.
 
         Checks the head against the target's Info first, before reading the large embedding
-        ([target vocab, hidden]; kept in ``embed_dtype``, bf16 by default: half the memory, and
-        the head RMS-normalises the rows it looks up, so the rounding is immaterial). ``dtype`` and
+        ([target vocab, hidden]). A converted GGUF target's own blocks of it serve where they are
+        (on a CPU; its exact values in a quarter of float32's bytes); otherwise it is kept in
+        ``embed_dtype``, bf16 by default: half the memory, and the head RMS-normalises the rows it
+        looks up, so the rounding is immaterial. ``dtype`` and
         ``vocab_limit`` are the drafter's (``tandem.models.eagle.EagleDrafter``): steps in bf16 over the
         most frequent ``vocab_limit`` tokens of the head's vocabulary (0 = all of it), or with a
         quantized ``kernel`` on Q8_0 blocks of the head's weights and rows. A head
@@ -336,11 +347,14 @@ class EagleProposer(Proposer):
         prior_file = head_dir / ACCEPTANCE_FILE
         prior = load_prior(prior_file) if prior_file.is_file() else None
         tensors = load_target_tensors(target_hf_dir, config, vocab_ids)
-        embed = tensors.embed if embed_dtype is None else tensors.embed.to(embed_dtype)
+        # A converted GGUF's own blocks of the embedding: its exact values, in a quarter of float32's bytes.
+        embed = cached_embedding(target_hf_dir, tensors.embed) if device == "cpu" else None
+        if embed is None:
+            embed = (tensors.embed if embed_dtype is None else tensors.embed.to(embed_dtype)).to(device)
         drafter = EagleDrafter(
             head.to(device),
             vocab_ids.to(device),
-            TargetTensors(embed=embed.to(device), head_rows=tensors.head_rows.to(device)),
+            TargetTensors(embed=embed, head_rows=tensors.head_rows.to(device)),
             dtype=dtype,
             vocab_limit=vocab_limit,
             kernel=kernel,
@@ -349,7 +363,7 @@ class EagleProposer(Proposer):
             "eagle head %s loaded in %.1fs (draft vocabulary %d of the head's %d and the target's %d, steps in %s, "
             "target embedding %s on %s; %s)",
             head_dir, time.perf_counter() - started, drafter.vocab_ids.numel(), vocab_ids.numel(),
-            config.target_vocab_size, drafter.weights, str(embed.dtype).removeprefix("torch."), device,
+            config.target_vocab_size, drafter.weights, _described(embed), device,
             f"acceptance prior of {len(prior)} rates" if prior else "no acceptance prior",
         )
         return cls(

@@ -36,6 +36,7 @@ from tandem.cpu.linear import few_row_linear, install_cpu_linears, pack_weight, 
 from tandem.quant.gguf_blocks import from_float
 from tandem.quant.modules import QuantLinear, product
 from tandem.quant.native import QuantKernel
+from tandem.quant.reference import dequantize
 from tandem.quant.tensor import QuantizedTensor
 from tandem.models import BUILTIN_HEADS_DIR  # built-in target name -> its head's folder under tandem/data/eagle/
 
@@ -113,7 +114,9 @@ class EagleHead(nn.Module):
 class TargetTensors:
     """The only target weights the drafter needs."""
 
-    embed: torch.Tensor  # [target_vocab, hidden] (may stay bf16; rows are cast on lookup)
+    # [target_vocab, hidden]: float (may stay bf16; rows are cast on lookup), or the converted GGUF's
+    # own blocks of it (tandem.quant.checkpoint.cached_embedding), rows dequantized on lookup
+    embed: torch.Tensor | QuantizedTensor
     head_rows: torch.Tensor  # [reduced_vocab, hidden] float32: LM head rows of the reduced vocabulary
 
 
@@ -203,7 +206,10 @@ class EagleDrafter:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # [b] -> [b, hidden] in the step's dtype
-        return self.target.embed.index_select(0, token_ids).to(self.dtype)
+        table = self.target.embed
+        if isinstance(table, QuantizedTensor):
+            return dequantize(table.rows(token_ids.cpu())).to(token_ids.device, self.dtype)
+        return table.index_select(0, token_ids).to(self.dtype)
 
     @torch.inference_mode()
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,6 +151,40 @@ def _gguf_names(model: nn.Module, arch_name: str) -> dict[str, str]:
     return names
 
 
+EMBEDDING = "token_embd.weight"  # the token embedding's GGUF name
+
+
+def cached_embedding(checkpoint: Path, dense: torch.Tensor) -> QuantizedTensor | None:
+    """The GGUF blocks of a converted checkpoint's token embedding, from its ``BLOCKS_FILE`` (only
+    that tensor is read), where they dequantize exactly to ``dense`` [vocab, hidden] (the converted
+    float weight) on a sample of rows; None where the checkpoint has none (not a GGUF conversion) or
+    they differ. The same values in about a quarter of float32's bytes: an eagle draft looks its
+    token rows up from them (``tandem.models.eagle``)."""
+    from safetensors import safe_open
+
+    blocks_file = Path(checkpoint) / BLOCKS_FILE
+    if not blocks_file.is_file():
+        return None
+    try:
+        with safe_open(str(blocks_file), framework="pt") as f:
+            spec = json.loads((f.metadata() or {}).get("tensors", "{}")).get(EMBEDDING)
+            if spec is None:
+                return None
+            weight = QuantizedTensor(
+                f.get_tensor(f"{EMBEDDING}/packed"), f.get_tensor(f"{EMBEDDING}/scale"),
+                f.get_tensor(f"{EMBEDDING}/mins") if spec["mins"] else None,
+                spec["group"], spec["bits"], spec["zero"], spec["source"],
+            )
+    except Exception as error:  # noqa: BLE001  a damaged cache: the float weight serves
+        log.warning("ignoring the embedding's blocks in %s: %s", blocks_file, error)
+        return None
+    if weight.shape != tuple(dense.shape) or not _equal(weight, dense, full=False):
+        log.info("the embedding's blocks in %s are not the checkpoint's embedding; keeping its float weight",
+                 blocks_file)
+        return None
+    return weight
+
+
 def write_blocks(gguf_path: Path, blocks_file: Path) -> None:
     """Repacks the GGUF file's quantized tensors into ``blocks_file``, marked unchecked (the first
     :func:`quantize_model` compares them in full). For the conversion, which has the file parsed
