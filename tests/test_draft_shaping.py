@@ -67,24 +67,34 @@ def test_a_banned_token_is_never_drafted_and_the_answer_is_the_same(llama, head)
     assert session.propose(4).token_ids and not set(session.propose(4).token_ids) & set(drafts)
 
 
+N, BANNED = 24, PROMPT[1]
+# A repetition penalty, a frequency penalty and a banned token: the target's session and the draft's shaping.
+PENALISED = SessionConfig(max_new_tokens=N, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
+                          logit_bias=((BANNED, -100.0),))
+SHAPING = LogitShaping(frequency=0.4, repetition=1.3, bias=((BANNED, -100.0),), generated_from=len(PROMPT))
+
+
+async def speculate_penalised(llama, proposer, shaping: LogitShaping | None, want_hidden_states: bool = False):
+    """The loop of a fresh session against the in-process target under ``PENALISED``, drafted by
+    ``proposer`` with ``shaping``: (the session's tokens, its rounds)."""
+    engine = TargetEngine(llama)
+    first = engine.prefill("s", PROMPT, PENALISED)
+    committed = (*PROMPT, first.token_id)
+    spec = SessionSpec("s", committed, len(PROMPT), SamplingParams(), 3, session_max_new_tokens=N, shaping=shaping)
+    loop = SpeculationLoop(spec, proposer.new_session(committed, SamplingParams(), shaping), EngineVerifier(engine),
+                           run_inline, want_hidden_states=want_hidden_states)
+    rounds = [r async for r in loop.rounds()]
+    return [first.token_id, *(t for r in rounds for t in r.token_ids)], rounds
+
+
 async def test_penalised_speculation_equals_the_targets_penalised_decoding(llama, head) -> None:
     """The loop against the in-process target with a repetition penalty, a frequency penalty and a
     bias, drafted with the same shaping: the target's own penalised greedy answer, token for token."""
-    n, banned = 24, PROMPT[1]
-    config = SessionConfig(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
-                           logit_bias=((banned, -100.0),))
-    shaping = LogitShaping(frequency=0.4, repetition=1.3, bias=((banned, -100.0),), generated_from=len(PROMPT))
-    expected = decode(TargetEngine(llama), PROMPT, config, "ar")
-    engine = TargetEngine(llama)
-    first = engine.prefill("s", PROMPT, config)
-    committed = (*PROMPT, first.token_id)
-    spec = SessionSpec("s", committed, len(PROMPT), SamplingParams(), 3, session_max_new_tokens=n, shaping=shaping)
+    expected = decode(TargetEngine(llama), PROMPT, PENALISED, "ar")
     proposer = NgramFirstProposer(NgramProposer(), load_eagle(head, llama), overrule_confidence=0.3)
-    loop = SpeculationLoop(spec, proposer.new_session(committed, SamplingParams(), shaping), EngineVerifier(engine),
-                           run_inline, want_hidden_states=True)
-    tokens = [first.token_id, *(t for r in [r async for r in loop.rounds()] for t in r.token_ids)]
-    assert tokens == expected and banned not in tokens
-    assert tokens != generate_greedy(llama.model, PROMPT, n, None)
+    tokens, _ = await speculate_penalised(llama, proposer, SHAPING, want_hidden_states=True)
+    assert tokens == expected and BANNED not in tokens
+    assert tokens != generate_greedy(llama.model, PROMPT, N, None)
 
 
 async def test_a_model_draft_drafts_with_the_shaping_and_the_answer_is_the_targets(llama) -> None:
@@ -92,22 +102,12 @@ async def test_a_model_draft_drafts_with_the_shaping_and_the_answer_is_the_targe
     does: with the shaping its greedy drafts are the target's penalised answer and nearly all are
     accepted; without it, far fewer. The answer is the target's either way, and a banned token is
     never drafted."""
-    n, banned = 24, PROMPT[1]
-    config = SessionConfig(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
-                           logit_bias=((banned, -100.0),))
-    shaping = LogitShaping(frequency=0.4, repetition=1.3, bias=((banned, -100.0),), generated_from=len(PROMPT))
-    expected = decode(TargetEngine(llama), PROMPT, config, "ar")
+    expected = decode(TargetEngine(llama), PROMPT, PENALISED, "ar")
     proposer = HfProposer(llama)
     accepted = {}
-    for shaped in (shaping, None):
-        engine = TargetEngine(llama)
-        first = engine.prefill("s", PROMPT, config)
-        committed = (*PROMPT, first.token_id)
-        spec = SessionSpec("s", committed, len(PROMPT), SamplingParams(), 3, session_max_new_tokens=n, shaping=shaped)
-        session = proposer.new_session(committed, SamplingParams(), shaped)
-        rounds = [r async for r in SpeculationLoop(spec, session, EngineVerifier(engine), run_inline).rounds()]
-        assert [first.token_id, *(t for r in rounds for t in r.token_ids)] == expected
-        accepted[shaped is not None] = sum(r.num_accepted for r in rounds) / sum(r.num_draft_tokens for r in rounds)
-        if shaped is not None:
-            assert banned not in session.propose(4).token_ids
+    for shaping in (SHAPING, None):
+        tokens, rounds = await speculate_penalised(llama, proposer, shaping)
+        assert tokens == expected
+        accepted[shaping is not None] = sum(r.num_accepted for r in rounds) / sum(r.num_draft_tokens for r in rounds)
+    assert BANNED not in proposer.new_session((*PROMPT, *expected), SamplingParams(), SHAPING).propose(4).token_ids
     assert accepted[True] > 0.8 and accepted[True] > accepted[False] + 0.2, accepted
