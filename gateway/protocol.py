@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.response_format import ResponseFormat
+from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, grammar_of
 from gateway.tools import NamedToolChoice, ToolCall, ToolCallDelta, ToolCallIn, ToolDef, tool_calling
 from gateway.unsupported import refuse_unsupported, text_of_parts
 from gateway.validation import PromptInput, RequestFields
@@ -133,11 +134,19 @@ class _GenerationBody(_StrictBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_fields(self, max_tokens: int | None) -> RequestFields:
-        refuse_unsupported(self.model_extra)
+        extra = dict(self.model_extra or {})
+        grammar = None if self.response_format is None else self.response_format.to_grammar()
+        other = grammar_of(extra)  # vLLM's guided_* / structured_outputs, llama.cpp's json_schema / grammar
+        if other is not None:
+            if grammar is not None:
+                raise InvalidRequest(f"ask for structured output one way, not with response_format and {other[1]}",
+                                     param=other[1])
+            grammar = other[0]
+        refuse_unsupported({name: value for name, value in extra.items() if name not in STRUCTURED_FIELDS})
         return RequestFields(
             prediction=None if self.prediction is None else self.prediction.text(),
             logit_bias=_token_keys(self.logit_bias),
-            grammar=None if self.response_format is None else self.response_format.to_grammar(),
+            grammar=grammar,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

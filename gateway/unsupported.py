@@ -36,7 +36,8 @@ def _text_only(value: Any) -> bool:
     return value is None or (isinstance(value, list) and all(m == "text" for m in value))
 
 
-_STRUCTURED = "use response_format (json_schema, regex or grammar; see docs/structured-output.md)"
+# Read on the chat and completions routes (gateway.structured_fields); refused on /v1/responses.
+_STRUCTURED = "on /v1/responses use text.format (json_schema, regex or grammar; see docs/structured-output.md)"
 _SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, logit_bias and the presence, frequency "
              "and repetition penalties only")
 

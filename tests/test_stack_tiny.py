@@ -186,6 +186,23 @@ def test_penalties_change_the_answer_and_speculation_keeps_it(stack) -> None:
     assert answers["off", 1.5] != answers["off", 0.0]
 
 
+def test_other_servers_structured_output_fields_are_kept_through_speculation(stack) -> None:
+    """vLLM's guided_choice and structured_outputs, llama.cpp's json_schema: the answer follows them,
+    the same speculating or not."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    asks = [({"guided_choice": ["yes", "no", "maybe so"]}, lambda text: text in ("yes", "no", "maybe so")),
+            ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+            ({"json_schema": {"enum": ["red", "green", 7]}}, lambda text: json.loads(text) in ("red", "green", 7))]
+    for body, follows in asks:
+        texts = set()
+        for speculation in ("on", "off"):
+            done = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                             extra_body={**body, "speculation": speculation})
+            assert done.choices[0].finish_reason == "stop" and follows(done.choices[0].text), (body, done)
+            texts.add(done.choices[0].text)
+        assert len(texts) == 1, texts
+
+
 def test_min_p_reaches_the_target_through_speculation(stack) -> None:
     """min_p 1 keeps only each step's most probable token, so a sampled request is the greedy answer,
     speculating or not (the draft samples its proposals; the target verifies them against the cut)."""
