@@ -194,6 +194,10 @@ class ChatCompletionRequest(_GenerationBody):
                                  "own); leave one of them out", param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._common_fields(max_tokens)
+        if calling is not None and fields.grammar is not None:  # asked for by another server's field
+            asked = next(name for name in STRUCTURED_FIELDS if (self.model_extra or {}).get(name) is not None)
+            raise InvalidRequest(f"{asked} cannot be combined with tool calls (they have a format of their own); "
+                                 "leave one of them out", param=asked)
         fields.messages = [m.to_message(f"messages[{i}]") for i, m in enumerate(self.messages)]
         fields.tool_calling = calling
         fields.top_logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -64,3 +64,13 @@ def test_two_ways_at_once_and_bad_values_are_refused_by_name(body, param, said) 
     # response_format "text" asks for free text: another field may still ask for a grammar
     text_too = {"prompt": "hi", "response_format": {"type": "text"}, "guided_regex": "a"}
     assert CompletionRequest.model_validate(text_too).to_fields().grammar == Grammar(GrammarKind.REGEX, "a")
+
+
+def test_with_tool_calls_another_format_is_refused_not_dropped() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "guided_regex": "a+"}
+    with pytest.raises(InvalidRequest) as refused:
+        ChatCompletionRequest.model_validate(body).to_fields()
+    assert refused.value.param == "guided_regex" and "tool calls" in refused.value.message
+    body["tool_choice"] = "none"  # no tool calls asked for: the regex stands
+    assert ChatCompletionRequest.model_validate(body).to_fields().grammar == Grammar(GrammarKind.REGEX, "a+")
