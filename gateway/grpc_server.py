@@ -84,6 +84,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
             fields.grammar = codecs.grammar(request.grammar)
         except codecs.WireError as error:
             raise InvalidRequest(str(error), param="grammar") from None
+        fields.grammar_param = "grammar"
     if request.messages:
         fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]
     else:

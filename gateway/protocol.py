@@ -147,6 +147,7 @@ class _GenerationBody(_StrictBody):
             prediction=None if self.prediction is None else self.prediction.text(),
             logit_bias=_token_keys(self.logit_bias),
             grammar=grammar,
+            grammar_param="response_format" if other is None else other[1],
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

@@ -54,6 +54,7 @@ class GenerationRequest:
     echo: bool = False
     n: int = 1  # choices: each a generation of its own (gateway.choices)
     grammar: Grammar | None = None  # structured output (target_service.grammar)
+    grammar_param: str = "response_format"  # the field that asked for the grammar (a refusal names it)
     presence_penalty: float = 0.0  # OpenAI's penalties (target_service.penalties)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF transformers', vLLM's and TGI's (target_service.penalties)

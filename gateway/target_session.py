@@ -35,7 +35,7 @@ from typing import TypeVar
 
 from gateway import wire
 from gateway.deps import GenerationDeps
-from gateway.errors import GatewayError, TargetLost, UpstreamFailure, UpstreamUnavailable
+from gateway.errors import GatewayError, InvalidRequest, TargetLost, UpstreamFailure, UpstreamUnavailable
 from gateway.policy import Mode
 from gateway.pool import Placement
 from gateway.request import GenerationRequest
@@ -113,6 +113,10 @@ class TargetSession:
             return await self._prefill(self._request.prompt_token_ids, None, self._request.prompt_logprobs)
         except TargetLost as lost:
             return await self.failover((), lost)
+        except InvalidRequest as refused:  # a grammar the target cannot compile: name the field that asked
+            if refused.param == "response_format" and self._request.grammar_param != refused.param:
+                raise InvalidRequest(refused.message, param=self._request.grammar_param) from None
+            raise
         except UpstreamUnavailable:
             # The prefill never reached the target: there is no session to release.
             self.may_hold = False

@@ -71,6 +71,7 @@ class RequestFields:
     top_logprobs: int | None = None
     echo: bool = False  # completions: the response repeats the prompt (with its log-probabilities)
     grammar: Grammar | None = None  # structured output: the text is a sentence of this grammar
+    grammar_param: str = "response_format"  # the field that asked for it (gateway.structured_fields)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # HF transformers', vLLM's and TGI's; None: 1 (none)
@@ -142,6 +143,7 @@ class RequestValidator:
             echo=fields.echo,
             n=n,
             grammar=self._grammar(fields),
+            grammar_param="tools" if fields.tool_calling is not None else fields.grammar_param,
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
             repetition_penalty=self._repetition_penalty(

@@ -201,6 +201,9 @@ def test_other_servers_structured_output_fields_are_kept_through_speculation(sta
             assert done.choices[0].finish_reason == "stop" and follows(done.choices[0].text), (body, done)
             texts.add(done.choices[0].text)
         assert len(texts) == 1, texts
+    bad = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "guided_regex": "[a-"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex", bad.text
+    assert "cannot be compiled" in bad.json()["error"]["message"]
 
 
 def test_min_p_reaches_the_target_through_speculation(stack) -> None:
