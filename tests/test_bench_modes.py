@@ -43,6 +43,8 @@ def test_request_bodies_per_mode() -> None:
     assert all("temperature" not in b for b in bodies.values())
     assert "num_speculative_tokens" not in bodies["autoregressive"] and bodies["auto"]["num_speculative_tokens"] == 3
     assert request_body(prompt, "speculative", RequestOptions("m", 8, temperature=0.5))["temperature"] == 0.5
+    truncated = RequestOptions("m", 8, temperature=0.8, sampling=(("top_k", 40), ("min_p", 0.05)))
+    assert {k: request_body(prompt, "auto", truncated)[k] for k in ("top_k", "min_p")} == {"top_k": 40, "min_p": 0.05}
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,9 @@ def test_request_bodies_per_mode() -> None:
         (("--modes", "off,off"), "tandem bench: --modes: a mode is given twice"),
         (("--temperature", "warm"), "tandem bench: --temperature takes a number"),
         (("--temperature", "-1"), "tandem bench: --temperature must be >= 0"),
+        (("--min-p", "1.5"), "tandem bench: --min-p is out of range"),
+        (("--top-p", "0"), "tandem bench: --top-p is out of range"),
+        (("--top-k", "-1"), "tandem bench: --top-k is out of range"),
     ],
 )
 def test_bad_modes_and_temperatures_are_refused(argv, message) -> None:
@@ -74,10 +79,11 @@ def test_modes_auto_and_default_temperature_request_bodies(prompts_file, tmp_pat
     with FakePeer(models=["served"], usage_extra=scripted_usage) as gateway:
         args = bench_args("--url", gateway.url, "--prompts", str(prompts_file), "--max-tokens", "5", "--modes",
                           "auto,off", "--temperature", "default", "--num-speculative-tokens", "4", "--warmup", "0",
-                          "--json", str(json_path), "--no-progress")
+                          "--min-p", "0.05", "--json", str(json_path), "--no-progress")
         assert bench.main(args) == 0
     assert len(gateway.bodies) == 8
     assert all("temperature" not in b and b["model"] == "served" for b in gateway.bodies)
+    assert all(b["min_p"] == 0.05 and "top_k" not in b and "top_p" not in b for b in gateway.bodies)
     # Two modes alternate per prompt: auto first on prompts 0 and 2, off first on 1 and 3.
     assert [b["speculation"] for b in gateway.bodies] == ["auto", "off", "off", "auto"] * 2
     assert all(b["num_speculative_tokens"] == 4 for b in gateway.bodies if b["speculation"] == "auto")
@@ -90,6 +96,7 @@ def test_modes_auto_and_default_temperature_request_bodies(prompts_file, tmp_pat
     assert data["auto_served_modes"] == {"mixed": 2, "speculative": 2} and data["auto_fallbacks"] == 2
     assert data["overall"]["auto"]["acceptance_rate"] == pytest.approx(0.5)
     assert data["config"]["temperature"] == "default" and data["config"]["modes"] == ["auto", "autoregressive"]
+    assert data["config"]["sampling"] == {"min_p": 0.05}
     assert data["peer"] is None and "greedy only" in data["config"]["peer_skipped"]
     out = capsys.readouterr().out
     assert "auto: requests by served mode: mixed 2, speculative 2; fallbacks: 2" in out

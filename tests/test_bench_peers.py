@@ -126,6 +126,16 @@ def test_a_peer_request_has_no_tandem_fields_and_counts_tokens(usage: bool) -> N
     assert len(result.chunk_gaps_s) == 2 and result.rounds == result.draft_tokens == 0
 
 
+def test_a_peer_gets_the_truncation_asked_for() -> None:
+    """--top-p, --top-k and --min-p go to peers too: llama.cpp and vLLM read the same fields."""
+    with FakePeer() as fake, httpx.Client(timeout=10) as client:
+        (peer,) = resolve_peers(client, [fake.url], "tandem-model")
+        run_peer_one(client, peer, PROMPT, RequestOptions("tandem-model", 4, 0.8, sampling=(("top_k", 40),
+                                                                                              ("min_p", 0.05))))
+    assert (fake.bodies[0]["top_k"], fake.bodies[0]["min_p"], fake.bodies[0]["temperature"]) == (40, 0.05, 0.8)
+    assert not TANDEM_FIELDS & fake.bodies[0].keys()
+
+
 def test_a_peer_without_a_models_list_gets_the_tandem_model_id() -> None:
     with FakePeer(models=None) as fake, httpx.Client(timeout=10) as client:
         (peer,) = resolve_peers(client, [fake.url], "tandem-model")

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--temperature", default=0.0, metavar="T",
                       help="sampling temperature (default 0: greedy); 'default' (or 'none'): send no temperature, "
                            "the server's default applies")
+    load.add_argument("--top-p", type=float, default=None, metavar="P",
+                      help="top_p of every request, peers' too (default: none sent)")
+    load.add_argument("--top-k", type=int, default=None, metavar="K",
+                      help="top_k of every request, peers' too (llama.cpp's and vLLM's field; default: none sent)")
+    load.add_argument("--min-p", type=float, default=None, metavar="P",
+                      help="min_p of every request, peers' too (llama.cpp's and vLLM's field; default: none sent)")
     load.add_argument("--concurrency", type=int, default=None,
                       help="requests in flight at once (default 1; with --request-rate: no cap)")
     load.add_argument("--request-rate", type=float, default=0.0,
@@ -90,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is no TTY)")
 
 
+def sampling_fields(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """The truncation ``--top-p``, ``--top-k`` and ``--min-p`` ask every request for."""
+    given = (("top_p", getattr(args, "top_p", None)), ("top_k", getattr(args, "top_k", None)),
+             ("min_p", getattr(args, "min_p", None)))
+    return tuple((name, value) for name, value in given if value is not None)
+
+
 def _check(args: argparse.Namespace) -> None:
     """Refuses bad flags with one ``tandem bench: ...`` message; parses --modes and --temperature in place."""
     problems = []
@@ -101,6 +114,10 @@ def _check(args: argparse.Namespace) -> None:
         args.temperature = parse_temperature(args.temperature)
     except ValueError as exc:
         problems.append(str(exc))
+    for flag, value, ok in (("--top-p", args.top_p, lambda v: 0 < v <= 1), ("--top-k", args.top_k, lambda v: v >= 0),
+                            ("--min-p", args.min_p, lambda v: 0 <= v <= 1)):
+        if value is not None and not ok(value):
+            problems.append(f"{flag} is out of range (got {value})")
     args.peer_url = list(args.peer_url or [])
     problems += [p for p in map(check_url, args.peer_url) if p]
     if args.max_tokens < 1:
@@ -155,6 +172,7 @@ def _config(args: argparse.Namespace, num_prompts: int, k: int, own_stack: bool,
         "seed": args.seed,
         "warmup": args.warmup,
         "temperature": "default" if args.temperature is None else args.temperature,
+        "sampling": dict(sampling_fields(args)),
         "stream_smoothing": args.stream_smoothing,
         "num_speculative_tokens": k if own_stack else args.num_speculative_tokens,
         "stack": "started" if own_stack else "external",
@@ -190,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
             model_id = args.model or served_model(client, url)
             peers = resolve_peers(client, args.peer_url, model_id)
         options = RequestOptions(model_id, args.max_tokens, args.temperature, args.stream_smoothing,
-                                 args.num_speculative_tokens if own is None else None)
+                                 args.num_speculative_tokens if own is None else None, sampling_fields(args))
         results, duration = run_http_phases(url, peers, prompts, options, args.modes, args, progress)
     except (httpx.HTTPError, RuntimeError) as exc:
         raise SystemExit(f"tandem bench: the gateway at {url} failed: {exc}") from exc

@@ -62,6 +62,9 @@ class RequestOptions:
     temperature: float | None = 0.0  # None: no temperature field, the server's default applies
     stream_smoothing: str | None = None  # None: the gateway's --stream-smoothing
     num_speculative_tokens: int | None = None  # None: the gateway's K
+    # Truncation sent to every server, peers included (top_p, top_k, min_p: llama.cpp's and vLLM's
+    # names too); empty: none sent, each server's default applies
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -123,7 +126,8 @@ def parse_temperature(value: float | str | None) -> float | None:
 
 
 def base_body(prompt: Prompt, options: RequestOptions) -> dict:
-    """The standard OpenAI fields every server gets: no tandem extension in here."""
+    """The fields every server gets: OpenAI's, and the truncation asked for (``--top-p``,
+    ``--top-k``, ``--min-p``, which llama.cpp and vLLM read too); no tandem extension in here."""
     body = {
         "model": options.model,
         "prompt": prompt.prompt,
@@ -133,6 +137,7 @@ def base_body(prompt: Prompt, options: RequestOptions) -> dict:
     }
     if options.temperature is not None:
         body["temperature"] = options.temperature
+    body.update(options.sampling)
     return body
 
 

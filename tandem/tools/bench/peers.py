@@ -2,7 +2,8 @@
 
 llama.cpp's llama-server, vLLM, ollama or another tandem: each gets ``POST {url}/v1/completions``
 with only standard OpenAI fields (model, prompt, max_tokens, temperature, stream,
-``stream_options.include_usage``), never a tandem extension (speculation,
+``stream_options.include_usage``) and the truncation asked for (``--top-p``, ``--top-k``, ``--min-p``,
+which llama.cpp and vLLM read too), never a tandem extension (speculation,
 num_speculative_tokens, stream_smoothing): a peer is measured as it serves by default. Its
 requests are interleaved with tandem's modes prompt by prompt (``load.interleaved_jobs``).
 

@@ -58,8 +58,7 @@ def run_http_phases(
     hooks = key_hooks(url, getattr(args, "api_key", None))
     verify = trust(getattr(args, "tls_ca", None))
     with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), event_hooks=hooks, verify=verify) as client:
-        warm = RequestOptions(options.model, min(8, options.max_tokens), options.temperature,
-                              options.stream_smoothing, options.num_speculative_tokens)
+        warm = dataclasses.replace(options, max_tokens=min(8, options.max_tokens))
         _warm_up(client, url, prompts[: args.warmup], modes, peers, warm)
 
         def send(job: Job) -> RequestResult:
