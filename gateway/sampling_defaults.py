@@ -9,8 +9,9 @@ wins; ``--generation-config none`` keeps OpenAI's defaults. ``do_sample`` is not
 not either): a request without a temperature samples at the model's.
 
 Only the fields tandem honours are taken (``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``), and only values a request could send: one out of range is left out and
-logged, so a start never fails on a checkpoint's generation config.
+``repetition_penalty``), and only values a request could send (``RANGES``, which
+``gateway.validation`` checks requests against): one out of range is left out and logged, so a
+start never fails on a checkpoint's generation config.
 """
 
 from __future__ import annotations
@@ -28,15 +29,28 @@ log = logging.getLogger(__name__)
 FILE = "generation_config.json"
 
 
+# field: (whether a value is one a request may send, what it must be)
+RANGES = {
+    "temperature": (lambda v: 0.0 <= v <= 2.0, "between 0 and 2"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
+    "repetition_penalty": (lambda v: 0.0 < v <= MAX_REPETITION_PENALTY,
+                           f"above 0 and at most {MAX_REPETITION_PENALTY:g} (1: none)"),
+}
+
+
+def in_range(name: str, value: float) -> bool:
+    """Whether ``value`` is one a request may send for the sampling field ``name`` (``RANGES``)."""
+    return (isinstance(value, int) or math.isfinite(value)) and RANGES[name][0](value)  # an int may pass float's
+
+
 def _valid(name: str, value: object) -> bool:
-    """Whether a request could send ``value`` for field ``name`` (gateway.validation's ranges)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """Whether a generation config's ``value`` is one a request may send: a number (an integer for
+    ``top_k``) in ``RANGES``."""
+    if isinstance(value, bool) or not isinstance(value, int if name == "top_k" else (int, float)):
         return False
-    if name == "top_k":
-        return isinstance(value, int) and value >= 0
-    low, high, open_low = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
-                           "repetition_penalty": (0.0, MAX_REPETITION_PENALTY, True)}[name]
-    return (low < value if open_low else low <= value) and value <= high
+    return in_range(name, value)
 
 
 @dataclass(frozen=True)

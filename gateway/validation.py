@@ -15,7 +15,7 @@ from typing import Union
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
-from gateway.sampling_defaults import SamplingDefaults
+from gateway.sampling_defaults import RANGES, SamplingDefaults, in_range
 from gateway.served_model import ServedModel
 from gateway.tools import ToolCalling, rendered
 from tandem.rpc.types import (
@@ -23,7 +23,6 @@ from tandem.rpc.types import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
     MAX_PREDICTION_TOKENS,
-    MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
     Grammar,
 )
@@ -146,8 +145,7 @@ class RequestValidator:
             grammar_param="tools" if fields.tool_calling is not None else fields.grammar_param,
             presence_penalty=self._penalty(fields.presence_penalty, "presence_penalty"),
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
-            repetition_penalty=self._repetition_penalty(
-                _or(fields.repetition_penalty, self._defaults.repetition_penalty, 1.0)),
+            repetition_penalty=self._sampled(fields, "repetition_penalty", 1.0),
             logit_bias=self._logit_bias(fields.logit_bias),
             tool_calling=fields.tool_calling,
             prediction_token_ids=self._prediction(fields.prediction),
@@ -184,13 +182,6 @@ class RequestValidator:
         return value
 
     @staticmethod
-    def _repetition_penalty(value: float) -> float:
-        if not (math.isfinite(value) and 0 < value <= MAX_REPETITION_PENALTY):
-            raise InvalidRequest(f"repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
-                                 f"(1: none), got {value}", param="repetition_penalty")
-        return value
-
-    @staticmethod
     def _grammar(fields: RequestFields) -> Grammar | None:
         """The request's grammar, or its tool calls' (gateway.tools); the target compiles it (and refuses
         one that does not compile)."""
@@ -217,20 +208,17 @@ class RequestValidator:
         if model and model != self._model.name:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self._model.name!r}")
 
+    def _sampled(self, fields: RequestFields, name: str, openai_default: float) -> float:
+        """A sampling field's value (what the request sent, else the model's default, else OpenAI's),
+        checked against the range a request may send (``gateway.sampling_defaults.RANGES``)."""
+        value = _or(getattr(fields, name), getattr(self._defaults, name), openai_default)
+        if not in_range(name, value):
+            raise InvalidRequest(f"{name} must be {RANGES[name][1]}, got {value}", param=name)
+        return value
+
     def _sampling(self, fields: RequestFields) -> SamplingParams:
-        defaults = self._defaults
-        temperature = _or(fields.temperature, defaults.temperature, 1.0)
-        if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-            raise InvalidRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
-        top_p = _or(fields.top_p, defaults.top_p, 1.0)
-        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        top_k = _or(fields.top_k, defaults.top_k, 0)
-        if top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}", param="top_k")
-        min_p = _or(fields.min_p, defaults.min_p, 0.0)
-        if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
-            raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {min_p}", param="min_p")
+        temperature, top_p = self._sampled(fields, "temperature", 1.0), self._sampled(fields, "top_p", 1.0)
+        top_k, min_p = self._sampled(fields, "top_k", 0), self._sampled(fields, "min_p", 0.0)
         if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:
             raise InvalidRequest(f"seed must be between 0 and 2**64-1, got {fields.seed}", param="seed")
         # top_k beyond the vocabulary truncates nothing; clamping keeps it within int32 on the wire.

@@ -105,7 +105,7 @@ def test_token_prompts_in_every_accepted_shape(validator, tokenizer):
 
 def test_valid_extremes_are_accepted(validator):
     request = validator.validate(
-        RequestFields(prompt=[5], temperature=0.0, top_p=1.0, top_k=10**6, seed=2**64 - 1, num_speculative_tokens=64,
+        RequestFields(prompt=[5], temperature=0.0, top_p=1.0, top_k=10**400, seed=2**64 - 1, num_speculative_tokens=64,
                       speculation="off", max_tokens=CONTEXT - 1, n=1, model="tiny", min_p=1.0)
     )
     assert request.sampling.min_p == 1.0
