@@ -5,7 +5,10 @@ as long again in Python: hundreds of small tensor operations per pass (a norm al
 each paying PyTorch's dispatch (figures: docs/target.md#quantized-cpu-kernels). This pass makes the same computation in about
 fifteen calls per layer: the products go straight to the quantized kernel, and each norm, the
 query/key norm with its rotary embedding, and the gated activation are one native call each
-(``tandem.quant.decoder_ops.cpp``; their PyTorch references where it is not built).
+(``tandem.quant.decoder_ops.cpp``; their PyTorch references where it is not built). For a lone
+session on the int8 kernels a layer is a single native call (``tandem.quant.decoder_layer.cpp``),
+the same kernels and ops in the same order, so the same bits; the Python between the calls cost
+about a tenth of a gemma-3-270m decode step (figures: benchmarks/RESULTS.md, session 50).
 
 It runs inside :func:`target_service.ragged.forward`, with the same :class:`RaggedCache` and the
 same attention function the module tree would call, so the caches, token trees, the sliding window
@@ -26,6 +29,7 @@ from torch import nn
 
 from tandem.quant import reference
 from tandem.quant.modules import QuantEmbedding, QuantLinear, bound_product
+from tandem.quant.native import tiles_op
 from tandem.quant.tensor import QuantizedTensor, stack, stackable
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,18 @@ class _Products:
                 runs.append((weight, [module.out_features]))
         self.runs = [(bound_product(modules[0].kernel, weight), sizes) for weight, sizes in runs]
         self.biases = [module.bias for module in modules]
+        self.kernel = modules[0].kernel
+        self.weights = [weight for weight, _ in runs]
+
+    def native_arguments(self) -> list[tuple] | None:
+        """Each run's (packed, scale, mins, [group, bits, zero, out_features]), as the native decoder
+        layer takes a product, where that is what this call computes (no bias, every run on the int8
+        tiles kernel); else None."""
+        if any(bias is not None for bias in self.biases) or self.kernel.activations != "int8":
+            return None
+        if any(tiles_op(self.kernel, weight) is None for weight in self.weights):
+            return None
+        return [(w.packed, w.scale, w.mins, [w.group, w.bits, w.zero, w.shape[0]]) for w in self.weights]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [rows, in] float32 contiguous -> each module's [rows, out_i] (views of a joined run's output)."""
@@ -130,6 +146,10 @@ class GemmaPass:
             ))
         self.attention_kwargs = {"scaling": float(self.layers[0].attention.scaling),
                                  "softcap": config.attn_logit_softcapping}
+        # the whole layer in one call: the native ops fused, so only where they are native too
+        self.native_layer, self.native_arguments = (
+            _native_layers(self.layers, self.final_norm) if ops is not reference else (None, [])
+        )
 
     def run(self, attend, ragged, input_ids: torch.Tensor, positions: torch.Tensor, keep: int | torch.Tensor):
         """input_ids, positions [rows]; ``attend`` the attention function (ragged's, over ``ragged``);
@@ -141,8 +161,18 @@ class GemmaPass:
         tables = {kind: rope.at(positions) for kind, rope in self.ropes.items()}
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         alone = ragged.alone(self.head_dim)  # one session attending row by row: its cache written and read directly
+        buffers = ragged.alone_buffers(len(self.layers)) if alone is not None and self.native_layer else None
         for index, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope]
+            if buffers is not None:  # the whole layer in one native call, writing the cache in place
+                cached = buffers[index].reserve(rows)
+                hidden, normed = self.native_layer(
+                    hidden, normed, cos, sin, *self.native_arguments[index], *buffers[index].buffers, cached,
+                    *ragged.alone_ranges(cached, layer.window), self.heads, self.kv_heads, self.head_dim, eps,
+                    self.attention_kwargs["scaling"], self.attention_kwargs["softcap"] or 0.0,
+                )
+                buffers[index].advance(rows)
+                continue
             q, k, v = layer.qkv(normed)  # [rows, heads * head_dim], [rows, kv_heads * head_dim] x 2
             q = ops.head_norm_rope(q.view(rows, self.heads, self.head_dim), layer.q_norm, cos, sin, eps)
             k = ops.head_norm_rope(k.view(rows, self.kv_heads, self.head_dim), layer.k_norm, cos, sin, eps)
@@ -210,6 +240,31 @@ def _decoder_ops(isa: str):
         except KernelUnavailable as error:
             log.warning("decoder ops in PyTorch: %s", error)
     return reference
+
+
+def _native_layers(layers: list[_Layer], final_norm: torch.Tensor) -> tuple[object | None, list[tuple]]:
+    """decoder_layer.cpp's op and each layer's arguments for it (packed, scale, mins, meta, runs, norms),
+    where every product of every layer runs on int8 tiles and the op is built; else (None, [])."""
+    from tandem.quant.native import KernelUnavailable, load_decoder_layer
+
+    products = [[part.native_arguments() for part in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                for layer in layers]
+    if not layers or any(arguments is None for layer in products for arguments in layer):
+        return None, []
+    try:
+        op = load_decoder_layer(layers[0].qkv.kernel.isa)
+    except KernelUnavailable as error:
+        log.warning("decoder layers call their ops one by one: %s", error)
+        return None, []
+    arguments = []
+    for index, (layer, parts) in enumerate(zip(layers, products)):
+        after = layers[index + 1].input_norm if index + 1 < len(layers) else final_norm
+        norms = [layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_feedforward_norm,
+                 layer.post_feedforward_norm, after]
+        runs = [run for part in parts for run in part]
+        arguments.append(([run[0] for run in runs], [run[1] for run in runs], [run[2] for run in runs],
+                          [value for run in runs for value in run[3]], [len(part) for part in parts], norms))
+    return op, arguments
 
 
 def _applied(norm: nn.Module) -> torch.Tensor:

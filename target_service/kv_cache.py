@@ -57,6 +57,27 @@ class GrowableLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values) [batch, kv_heads, capacity, head_dim], the held positions first; None before
+        the first update."""
+        return None if getattr(self, "_key_buffer", None) is None else (self._key_buffer, self._value_buffer)
+
+    def reserve(self, new: int) -> int:
+        """Room for ``new`` more positions in the buffers (grown as :meth:`update` grows them); returns
+        the positions held. For a writer that fills ``[held, held + new)`` of the buffers itself and
+        then calls :meth:`advance` (the native decoder layer); the layer must have been updated once."""
+        if self._key_buffer is None:
+            raise RuntimeError("reserve before the layer's first update")
+        end = self._length + new
+        if end > self._key_buffer.shape[-2]:
+            self._grow(self._key_buffer[..., :0, :], self._value_buffer[..., :0, :], end + SPARE_POSITIONS)
+        return self._length
+
+    def advance(self, new: int) -> None:
+        """Counts ``new`` positions written after :meth:`reserve` as held."""
+        self._set_length(self._length + new)
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")

@@ -87,14 +87,37 @@ class RaggedCache:
         native = _native_attention() if self.row_exact and len(self.caches) == 1 and head_dim % 16 == 0 else None
         return None if native is None else partial(self._attend_alone, native)
 
+    def alone_buffers(self, layers: int) -> list[kv_cache.GrowableLayer] | None:
+        """For a row-exact pass over one session whose cache holds ``layers`` layers already written
+        in place (:class:`kv_cache.GrowableLayer`, float32): those layers, each with room for this
+        pass's rows (``reserve``), for a writer that fills them itself and then calls ``advance``
+        (the native decoder layer, ``gemma_pass``). Else None (a first pass, another cache)."""
+        if not self.row_exact or len(self.caches) != 1:
+            return None
+        held = self.caches[0].layers
+        if len(held) < layers or not all(
+            isinstance(layer, kv_cache.GrowableLayer) and layer.buffers is not None
+            and layer.buffers[0].dtype == torch.float32 for layer in held[:layers]
+        ):
+            return None
+        for layer in held[:layers]:
+            layer.reserve(self.sizes[0])
+        return list(held[:layers])
+
+    def alone_ranges(self, cached: int, window: int | None) -> tuple[torch.Tensor, ...]:
+        """The one session's rows' key ranges for the native row attention (``_row_ranges``), once per
+        pass and window, after ``cached`` positions."""
+        ranges = self.row_plans.get((0, window))
+        if ranges is None:
+            ranges = self.row_plans[0, window] = _row_ranges(cached, self.sizes[0], window, self.tree(0))
+        return ranges
+
     def _attend_alone(self, native, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       window: int | None, scaling: float, softcap: float | None) -> torch.Tensor:
         """query [rows, heads, head_dim] float32 contiguous; key/value [rows, kv_heads, head_dim] float32."""
         cache, size = self.caches[0], self.sizes[0]
         keys, values = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], layer_idx)
-        ranges = self.row_plans.get((0, window))
-        if ranges is None:
-            ranges = self.row_plans[0, window] = _row_ranges(keys.shape[2] - size, size, window, self.tree(0))
+        ranges = self.alone_ranges(keys.shape[2] - size, window)
         out = native(query, _rows_packed(keys[0]), _rows_packed(values[0]), *ranges, scaling, softcap or 0.0)
         return out.view(size, -1)
 

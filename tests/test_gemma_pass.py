@@ -251,6 +251,48 @@ def _lone_pass(model, tree, monkeypatch, direct: bool) -> list[torch.Tensor]:
     return [logits, hidden, *(t.clone() for layer in cache.layers for t in (layer.keys, layer.values))]
 
 
+@pytest.mark.parametrize("isa", [ISAS[1], ISAS[3]])  # the int8 builds, the only ones with the native layer
+def test_the_native_decoder_layer_computes_what_the_calls_one_by_one_do(tiny_gguf_gemma, tmp_path, isa) -> None:
+    """``decoder_layer.cpp`` (a whole layer in one call, the cache written in place) against the same
+    ops called one by one from Python, bit for bit: logits, hidden states and every layer's keys and
+    values, through a prompt, a token tree, chains, a cache that must grow (past its spare room) and
+    passes past the sliding window of 8, a truncation and the steps after it. A session's first pass
+    (nothing in its cache yet) goes through the calls."""
+    model = _quantized(tiny_gguf_gemma, tmp_path, isa)
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # norms of their own (the tiny model's are all alike), so none can stand in for another
+        for module in model.modules():
+            if isinstance(module, Gemma3RMSNorm):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.3)
+    lean = gemma_pass.for_model(model)
+    native = lean.native_layer
+    assert native is not None
+    assert any(len(layer.qkv.weights) + len(layer.gate_up.weights) > 2 for layer in lean.layers)  # joined runs
+    calls = []
+    lean.native_layer = lambda *args: calls.append(1) or native(*args)
+    steps = [[5, 6, 7, 8, 9], [11], [12, 13], *[[30 + i] for i in range(kv_cache.SPARE_POSITIONS + 4)]]
+    results = []
+    for use_native in (True, False):
+        lean.native_layer = (lambda *args: calls.append(1) or native(*args)) if use_native else None
+        calls.clear()
+        (cache,) = _caches(model, [list(range(3, 16))])
+        assert not calls  # the prompt: the cache had no layers to write in place
+        outputs = []
+        with torch.inference_mode():
+            for step in steps:
+                tree = [(-1, 0, 0, 1, 3)] if len(step) == 5 else [None]
+                (logits,), (hidden,) = ragged.forward(model, [cache], [step], "cpu", want_hidden=True, trees=tree,
+                                                      row_exact=True)
+                outputs += [logits, hidden]
+            kv_cache.truncate(cache, 20)
+            (logits,), _ = ragged.forward(model, [cache], [[7, 8, 9]], "cpu", row_exact=True)
+        outputs.append(logits)
+        assert len(calls) == (len(steps) + 1) * len(lean.layers) if use_native else not calls
+        results.append([*outputs, *(t.clone() for layer in cache.layers for t in (layer.keys, layer.values))])
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_only_a_gemma_on_quantized_weights_throughout_gets_the_pass(tiny_gguf_gemma, tmp_path) -> None:
     hf_dir, _ = tiny_gguf_gemma
     float_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()

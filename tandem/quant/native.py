@@ -3,8 +3,9 @@
 Kernels, C++ compiled on first use by PyTorch's extension builder into the tandem cache
 (``$TANDEM_CACHE_DIR/kernels``, one folder per instruction set, sources and torch install; about
 11 s once on 2 cores, then a load). Each instruction set's product, row attention and decoder ops
-are one translation unit (a small generated file including the three sources), so the torch
-headers, most of a build's time, are parsed once rather than three times (26 -> 11 s):
+(and for the int8 builds a whole decoder layer, which calls them) are one translation unit (a small
+generated file including the sources), so the torch headers, most of a build's time, are parsed
+once rather than once per source (26 -> 11 s):
 
 * ``avx512vnni`` (``qmatmul_vnni.cpp``): activations quantized to int8 per group, integer products
   by vpdpbusd, weights in the ``TILES`` layout. A pass costs about the same for one to eight rows.
@@ -44,8 +45,10 @@ SOURCES = {
     "int8_avx2": Path(__file__).with_name("qmatmul_int8_avx2.cpp"),
     "attention": Path(__file__).with_name("row_attention.cpp"),  # the row-exact attention int8 activations need
     "decoder": Path(__file__).with_name("decoder_ops.cpp"),  # a decoder layer's norms, rotary and gate in one call each
+    "layer": Path(__file__).with_name("decoder_layer.cpp"),  # a whole decoder layer in one call (int8 builds only)
 }
 OPS_KINDS = ("attention", "decoder")  # sources of ops beside the products: their libraries are named by kind
+INT8_OPS_KINDS = ("layer",)  # and those only the int8 builds compile (they call the int8 product)
 ENV = "TANDEM_QUANT_KERNEL"
 ISA_FLAGS = {
     "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
@@ -242,6 +245,14 @@ def load_decoder_ops(isa: str):
     return _load_ops(isa, "decoder")
 
 
+def load_decoder_layer(isa: str):
+    """``decoder_layer`` (decoder_layer.cpp: a Gemma 3 decoder layer on int8 tiles in one call) built
+    for ``isa``; raises :class:`KernelUnavailable` where it cannot be built or ``isa`` has no int8 product."""
+    if isa not in INT8_ISAS:
+        raise KernelUnavailable(f"{isa} has no int8 product for decoder_layer")
+    return getattr(_load_ops(isa, "layer"), "decoder_layer")
+
+
 def _load_ops(isa: str, kind: str):
     _refuse_what_cannot_run(isa)
     try:
@@ -259,9 +270,11 @@ def build_folder(isa: str) -> Path:
 
 def _bundle(isa: str) -> dict[str, Path]:
     """The libraries one ``isa`` build registers, each with its source: the product kernel the
-    instruction set runs, the row attention and the decoder ops."""
+    instruction set runs, the row attention and the decoder ops (and, for int8 builds, the decoder
+    layer, which calls the product: it comes last)."""
     product = SOURCES[INT8_SOURCES.get(isa, "float32")]
-    return {_library(isa): product, **{_library(isa, kind): SOURCES[kind] for kind in OPS_KINDS}}
+    kinds = OPS_KINDS + (INT8_OPS_KINDS if isa in INT8_SOURCES else ())
+    return {_library(isa): product, **{_library(isa, kind): SOURCES[kind] for kind in kinds}}
 
 
 def _build_plan(isa: str) -> tuple[str, list[str], Path, str]:
