@@ -291,6 +291,14 @@ def test_the_native_decoder_layer_computes_what_the_calls_one_by_one_do(tiny_ggu
         results.append([*outputs, *(t.clone() for layer in cache.layers for t in (layer.keys, layer.values))])
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+    layer = cache.layers[0]
+    keys, values = layer.buffers
+    full = keys.shape[2]
+    with pytest.raises(RuntimeError, match="no room"):  # a caller that did not reserve is refused, nothing written
+        normed = torch.zeros(1, model.config.hidden_size)
+        native(normed, normed, torch.ones(1, lean.head_dim), torch.zeros(1, lean.head_dim), *lean.native_arguments[0],
+               keys, values, full, *ragged._row_ranges(full - 1, 1, None, None), lean.heads, lean.kv_heads,
+               lean.head_dim, 1e-6, 1.0, 0.0)
 
 
 def test_only_a_gemma_on_quantized_weights_throughout_gets_the_pass(tiny_gguf_gemma, tmp_path) -> None:

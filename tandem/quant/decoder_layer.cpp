@@ -57,20 +57,23 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     TORCH_CHECK(count >= 1, "a product of no weight");
     total += count;
   }
-  TORCH_CHECK(packed.size() == total && scale.size() == total && mins.size() == total && (int64_t)meta.size() == 4 * total,
+  TORCH_CHECK(packed.size() == total && scale.size() == total && mins.size() == total &&
+                  (int64_t)meta.size() == 4 * total,
               "a weight's packed, scale, mins and four meta values for each run");
   const Products product{packed, scale, mins, meta, runs};
   TORCH_CHECK(norms.size() == 6, "six norms");
   const int64_t rows = normed.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   TORCH_CHECK(key_buffer.dim() == 4 && key_buffer.size(0) == 1 && key_buffer.size(1) == kv_heads &&
-                  key_buffer.size(3) == head_dim && key_buffer.is_contiguous() && value_buffer.sizes() == key_buffer.sizes() &&
-                  value_buffer.is_contiguous() && key_buffer.scalar_type() == at::kFloat &&
+                  key_buffer.size(3) == head_dim && key_buffer.is_contiguous() &&
+                  value_buffer.sizes() == key_buffer.sizes() && value_buffer.is_contiguous() &&
+                  key_buffer.scalar_type() == at::kFloat &&
                   value_buffer.scalar_type() == at::kFloat,
               "key/value buffers: [1, kv_heads, capacity, head_dim] float32, contiguous");
   TORCH_CHECK(0 <= length && length + rows <= key_buffer.size(2), "the cache buffer has no room for the rows");
   const at::Tensor qkv = product(normed, 0);  // [rows, q + k + v widths]
   TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "q|k|v widths do not match the heads");
-  const at::Tensor q = head_norm_rope(qkv.narrow(1, 0, q_width).view({rows, heads, head_dim}), norms.get(0), cos, sin, eps);
+  const at::Tensor q =
+      head_norm_rope(qkv.narrow(1, 0, q_width).view({rows, heads, head_dim}), norms.get(0), cos, sin, eps);
   const at::Tensor k = head_norm_rope(qkv.narrow(1, q_width, kv_width).view({rows, kv_heads, head_dim}), norms.get(1),
                                       cos, sin, eps);  // [rows, kv_heads, head_dim]
   const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
@@ -98,9 +101,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
 TANDEM_LAYER_DEF(TANDEM_QUANT_LIBRARY, m) {
   m.def("decoder_layer(Tensor hidden, Tensor normed, Tensor cos, Tensor sin, Tensor[] packed, Tensor[] scale, "
-        "Tensor?[] mins, int[] meta, int[] runs, Tensor[] norms, Tensor key_buffer, Tensor value_buffer, int length, Tensor lo, "
-        "Tensor hi, Tensor extra, Tensor count, int heads, int kv_heads, int head_dim, float eps, float scaling, "
-        "float softcap) -> (Tensor, Tensor)");
+        "Tensor?[] mins, int[] meta, int[] runs, Tensor[] norms, Tensor key_buffer, Tensor value_buffer, "
+        "int length, Tensor lo, Tensor hi, Tensor extra, Tensor count, int heads, int kv_heads, int head_dim, "
+        "float eps, float scaling, float softcap) -> (Tensor, Tensor)");
 }
 
 TANDEM_LAYER_IMPL(TANDEM_QUANT_LIBRARY, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -4,8 +4,9 @@
 //
 // Row i's keys are the cache positions [lo[i], hi[i]) followed by extra[i, :count[i]] (a token
 // tree's path), in that order; head h reads kv head h / (heads / kv_heads). Scores are float32 dot
-// products (eight accumulators over the vectors, a fixed tree, then the lanes), optionally soft-capped, softmaxed with the maximum subtracted
-// (a polynomial exp, vectorised), normalised once, and the values summed in key order. Why not SDPA: a multi-row call sums in another order than a
+// products (eight accumulators over the vectors, a fixed tree, then the lanes), optionally
+// soft-capped, softmaxed with the maximum subtracted (a polynomial exp, vectorised), normalised once,
+// and the values summed in key order. Why not SDPA: a multi-row call sums in another order than a
 // one-row call, and int8 activations (qmatmul_vnni.cpp) turn that rounding noise into changed tokens.
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: a third of the build's time parsing every op
 #include <ATen/ops/empty.h>
