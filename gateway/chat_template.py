@@ -19,6 +19,13 @@ A template given at start-up (``--chat-template``, a file or the template itself
 llama.cpp take one) replaces the tokenizer's own or the fallback: for a base model one would
 rather prompt another way, or a checkpoint whose template is missing or wrong.
 
+A chat request can shape the rendering as vLLM's and llama.cpp's chat APIs let it
+(:class:`gateway.template_options.TemplateOptions`): ``add_generation_prompt`` false leaves the assistant turn unopened,
+``continue_final_message`` leaves the last (assistant) message open so the answer continues it
+(transformers cuts the rendering after that message's text), and ``chat_template_kwargs`` sets the
+template's own variables (Qwen 3's ``enable_thinking``, say). A template reads only the variables it
+names, so kwargs a template ignores change nothing, as in vLLM.
+
 Independently of the template, when the vocabulary has an end-of-turn token (Gemma's
 ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``, Phi's ``<|end|>``), chat
 requests stop on it too: instruction-tuned models end their answer with it rather than with EOS.
@@ -26,12 +33,15 @@ requests stop on it too: instruction-tuned models end their answer with it rathe
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
+
+from gateway.template_options import TemplateOptions
 
 FALLBACK_TEMPLATE = (
     "{{ bos_token }}"
@@ -42,6 +52,11 @@ FALLBACK_TEMPLATE = (
 )
 FALLBACK_STOP_STRINGS = ("\nUser:",)
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+# Variables the gateway itself gives every template, besides apply_chat_template's own arguments.
+TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "bos_token", "eos_token", "unk_token", "pad_token",
+})
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,9 @@ class ChatFormat:
     template: str | None
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
+    # what chat_template_kwargs may not set: the render call's own arguments, the messages and tools,
+    # and the special tokens transformers hands the template (a request would otherwise override them)
+    reserved_names: frozenset[str] = frozenset()
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, template: str | None = None) -> ChatFormat:
@@ -85,26 +103,39 @@ class ChatFormat:
             template=template if template is not None else None if own else FALLBACK_TEMPLATE,
             stop_strings=() if own else FALLBACK_STOP_STRINGS,
             stop_token_ids=end_of_turn_ids(tokenizer),
+            reserved_names=_reserved_names(tokenizer),
         )
 
     @property
     def uses_fallback(self) -> bool:
         return self.template == FALLBACK_TEMPLATE
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text, ending with an open assistant turn (unless ``add_generation_prompt`` is
-        False: then as the last message ends); it carries its own BOS."""
+    def render(self, messages: Sequence[ChatMessage], options: TemplateOptions = TemplateOptions()) -> str:
+        """The prompt text, ending with an open assistant turn (unless ``options`` says otherwise:
+        then as the last message ends, or inside it); it carries its own BOS."""
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, chat_template=self.template, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False, **options.kwargs,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # transformers' own checks (continue_final_message's message)
+            raise ChatTemplateError(f"the messages cannot be rendered: {exc}") from exc
 
-    def token_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def token_ids(self, messages: Sequence[ChatMessage], options: TemplateOptions = TemplateOptions()) -> list[int]:
         # The rendered text already holds BOS (templates write it), so add no special tokens.
-        return self.tokenizer(self.render(messages, add_generation_prompt), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.render(messages, options), add_special_tokens=False)["input_ids"]
+
+
+def _reserved_names(tokenizer: Any) -> frozenset[str]:
+    try:
+        arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    except (TypeError, ValueError):  # no signature to read: the arguments transformers 5 takes
+        arguments = set()
+    special = set(getattr(tokenizer, "special_tokens_map", {}) or {})
+    return frozenset((arguments | special | TEMPLATE_NAMES) - {"kwargs"})
 
 
 def load_template(value: str) -> str:

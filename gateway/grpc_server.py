@@ -15,12 +15,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import json_format
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.chat_template import ChatMessage
 from gateway.core import GatewayCore
 from gateway.errors import GatewayError, InvalidRequest, Overloaded
 from gateway.events import Finished, TextDelta, Usage
+from gateway.template_options import TemplateOptions
 from gateway.validation import RequestFields
 from tandem import telemetry
 from tandem.rpc import codecs, streams
@@ -85,6 +87,11 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         except codecs.WireError as error:
             raise InvalidRequest(str(error), param="grammar") from None
         fields.grammar_param = "grammar"
+    fields.template = TemplateOptions(
+        request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+        request.continue_final_message,
+        json_format.MessageToDict(request.chat_template_kwargs) if request.HasField("chat_template_kwargs") else {},
+    )
     if request.messages:
         fields.messages = [ChatMessage(m.role, m.content) for m in request.messages]
     else:

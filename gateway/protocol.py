@@ -15,7 +15,7 @@ Response models mirror OpenAI's objects; the usage object adds ``speculative_dec
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,7 @@ from gateway.chat_template import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.response_format import ResponseFormat
 from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, grammar_of
+from gateway.template_options import TemplateOptions
 from gateway.tools import NamedToolChoice, ToolCall, ToolCallDelta, ToolCallIn, ToolDef, tool_calling
 from gateway.unsupported import refuse_unsupported, text_of_parts
 from gateway.validation import PromptInput, RequestFields
@@ -185,6 +186,10 @@ class ChatCompletionRequest(_GenerationBody):
     # "none", "auto", "required", or {"type": "function", "function": {"name": ...}} (gateway.tools).
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and llama.cpp's chat template controls (gateway.chat_template.TemplateOptions)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_fields(self) -> RequestFields:
         if self.top_logprobs and not self.logprobs:
@@ -201,6 +206,8 @@ class ChatCompletionRequest(_GenerationBody):
                                  "leave one of them out", param=asked)
         fields.messages = [m.to_message(f"messages[{i}]") for i, m in enumerate(self.messages)]
         fields.tool_calling = calling
+        fields.template = TemplateOptions(self.add_generation_prompt, self.continue_final_message,
+                                          dict(self.chat_template_kwargs or {}))
         fields.top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return fields
 

@@ -5,17 +5,20 @@ the context; the tokenizer they would load themselves may not be the served one.
 vLLM's (also close to llama-server's): a ``prompt`` is tokenized as ``/v1/completions`` prefills it
 (with the tokenizer's special tokens, BOS, unless ``add_special_tokens`` is false), ``messages`` as
 ``/v1/chat/completions`` does (the model's chat template, ending with an open assistant turn unless
-``add_generation_prompt`` is false). Invariant: the ids returned for a request's prompt or messages
+``add_generation_prompt`` is false; ``continue_final_message`` and ``chat_template_kwargs`` as there). Invariant: the ids returned for a request's prompt or messages
 are exactly the ones a generation request with the same input prefills.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatMessageIn
 from gateway.served_model import ServedModel
+from gateway.template_options import TemplateOptions
 from gateway.tools import NamedToolChoice, ToolDef, tool_calling
 from gateway.validation import RequestValidator
 
@@ -29,7 +32,9 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True  # prompt only: the chat template writes its own
-    add_generation_prompt: bool = True  # messages only
+    add_generation_prompt: bool = True  # messages only, as a chat request's (gateway.chat_template.TemplateOptions)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None  # messages only: as a chat request with them prefills (gateway.tools)
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -59,7 +64,9 @@ def tokenize(body: TokenizeRequest, model: ServedModel, validator: RequestValida
     if body.messages is not None:
         calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages = [m.to_message(f"messages[{i}]") for i, m in enumerate(body.messages)]
-        tokens = validator.chat_prompt(messages, body.add_generation_prompt, calling)
+        options = TemplateOptions(body.add_generation_prompt, body.continue_final_message,
+                                  dict(body.chat_template_kwargs or {}))
+        tokens = validator.chat_prompt(messages, options, calling)
     else:  # as RequestValidator tokenizes a completion's text
         tokens = model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     strs = [str(piece) for piece in model.tokenizer.convert_ids_to_tokens(tokens)] if body.return_token_strs else None

@@ -37,6 +37,7 @@ def _text_only(value: Any) -> bool:
 
 
 # Read on the chat and completions routes (gateway.structured_fields); refused on /v1/responses.
+_CHAT_ONLY = "it shapes how messages are rendered; /v1/chat/completions takes it"
 _STRUCTURED = "on /v1/responses use text.format (json_schema, regex or grammar; see docs/structured-output.md)"
 _SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, logit_bias and the presence, frequency "
              "and repetition penalties only")
@@ -72,8 +73,10 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "json_schema": (lambda v: v is None, _STRUCTURED),
     "grammar": (lambda v: v is None, _STRUCTURED),
     "chat_template": (lambda v: v is None, "chat_template is not supported: the model's own template is used"),
-    "continue_final_message": (_equal_to(False), "the answer always begins a new assistant turn"),
-    "add_generation_prompt": (_equal_to(True), "the answer always begins a new assistant turn"),
+    # chat template controls: /v1/chat/completions takes them (gateway.chat_template.TemplateOptions)
+    "continue_final_message": (_equal_to(False), _CHAT_ONLY),
+    "add_generation_prompt": (_equal_to(True), _CHAT_ONLY),
+    "chat_template_kwargs": (_empty, _CHAT_ONLY),
 }
 
 

@@ -9,7 +9,7 @@ returns a :class:`gateway.request.GenerationRequest`, or raises
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 from gateway.chat_template import ChatMessage, ChatTemplateError
@@ -17,6 +17,7 @@ from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.sampling_defaults import RANGES, SamplingDefaults, in_range
 from gateway.served_model import ServedModel
+from gateway.template_options import TemplateOptions
 from gateway.tools import ToolCalling, rendered
 from tandem.rpc.types import (
     MAX_GRAMMAR_CHARS,
@@ -77,6 +78,7 @@ class RequestFields:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
+    template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the messages are rendered
 
 
 def _or(sent, model_default, openai_default):
@@ -113,11 +115,19 @@ class RequestValidator:
         if (fields.messages is None) == (fields.prompt is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
         if fields.messages is not None:
-            prompt_ids, param = self.chat_prompt(fields.messages, calling=fields.tool_calling), "messages"
+            if fields.template.continue_final_message and (fields.grammar is not None or fields.tool_calling):
+                asked = "tools" if fields.tool_calling is not None else fields.grammar_param
+                raise InvalidRequest(f"continue_final_message cannot be combined with {asked}: a format constrains "
+                                     "an answer from its start, not the rest of a message", param=asked)
+            prompt_ids = self.chat_prompt(fields.messages, fields.template, fields.tool_calling)
+            param = "messages"
             stop += tuple(s for s in self._model.chat.stop_strings if s not in stop)
             stop_token_ids += tuple(t for t in self._model.chat.stop_token_ids if t not in stop_token_ids)
             default_max_tokens = self._default_chat_max_tokens
         else:
+            if fields.template != TemplateOptions():
+                raise InvalidRequest("add_generation_prompt, continue_final_message and chat_template_kwargs shape "
+                                     "how messages are rendered; a prompt takes none of them", param="prompt")
             prompt_ids, param = self._completion_prompt(fields.prompt), "prompt"
             default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         prompt_ids = self._truncated(prompt_ids, fields.truncate_prompt_tokens)
@@ -280,10 +290,10 @@ class RequestValidator:
                                      param="stop_token_ids")
         return tuple(dict.fromkeys(ids))
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+    def chat_prompt(self, messages: list[ChatMessage], options: TemplateOptions = TemplateOptions(),
                     calling: ToolCalling | None = None) -> list[int]:
         """The token ids a chat request prefills: its messages (with its tools, gateway.tools)
-        through the model's chat template."""
+        through the model's chat template, as ``options`` ask."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         for i, message in enumerate(messages):
@@ -292,9 +302,9 @@ class RequestValidator:
                     f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
                     param=f"messages[{i}].role",
                 )
+        options.check(messages, self._model.chat.reserved_names)
         try:
-            return self._model.chat.token_ids(rendered(messages, calling, self._model.chat.uses_fallback),
-                                              add_generation_prompt)
+            return self._model.chat.token_ids(rendered(messages, calling, self._model.chat.uses_fallback), options)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
 

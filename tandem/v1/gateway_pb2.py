@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa9\x08\n\x1dGatewayServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x1a.tandem.v1.SpeculationMode\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\x10stream_smoothing\x18\x0e \x01(\x0e\x32\x1a.tandem.v1.StreamSmoothing\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12#\n\x07grammar\x18\x10 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x12 \x01(\x02H\x08\x88\x01\x01\x12K\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x37.tandem.v1.GatewayServiceGenerateRequest.LogitBiasEntry\x12\x12\n\nprediction\x18\x14 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08\x12\x12\n\nmin_tokens\x18\x17 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x18 \x01(\x02H\t\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x19 \x01(\x05H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x1a \x01(\x02H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x08\n\x06_min_p\"\xc2\x01\n\x18SpeculativeDecodingStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\tfallbacks\x18\x06 \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12\x14\n\x0c\x65mpty_rounds\x18\x08 \x01(\x05\"\xf8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x41\n\x14speculative_decoding\x18\x04 \x01(\x0b\x32#.tandem.v1.SpeculativeDecodingStats\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x06 \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x07 \x01(\x05\"\xbe\x01\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x1b\n\x19GatewayServiceInfoRequest\"s\n\x1aGatewayServiceInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\x05*h\n\x0fStreamSmoothing\x12 \n\x1cSTREAM_SMOOTHING_UNSPECIFIED\x10\x00\x12\x18\n\x14STREAM_SMOOTHING_OFF\x10\x01\x12\x19\n\x15STREAM_SMOOTHING_AUTO\x10\x02\x32\xc8\x01\n\x0eGatewayService\x12\x61\n\x08Generate\x12(.tandem.v1.GatewayServiceGenerateRequest\x1a).tandem.v1.GatewayServiceGenerateResponse0\x01\x12S\n\x04Info\x12$.tandem.v1.GatewayServiceInfoRequest\x1a%.tandem.v1.GatewayServiceInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbe\t\n\x1dGatewayServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12/\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x1a.tandem.v1.SpeculationMode\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\x10stream_smoothing\x18\x0e \x01(\x0e\x32\x1a.tandem.v1.StreamSmoothing\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12#\n\x07grammar\x18\x10 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x1d\n\x10presence_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x12 \x01(\x02H\x08\x88\x01\x01\x12K\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x37.tandem.v1.GatewayServiceGenerateRequest.LogitBiasEntry\x12\x12\n\nprediction\x18\x14 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08\x12\x12\n\nmin_tokens\x18\x17 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x18 \x01(\x02H\t\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x19 \x01(\x05H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x1a \x01(\x02H\x0b\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x1b \x01(\x08H\x0c\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x1c \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x1d \x01(\x0b\x32\x17.google.protobuf.Struct\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x08\n\x06_min_pB\x18\n\x16_add_generation_prompt\"\xc2\x01\n\x18SpeculativeDecodingStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\tfallbacks\x18\x06 \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12\x14\n\x0c\x65mpty_rounds\x18\x08 \x01(\x05\"\xf8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x41\n\x14speculative_decoding\x18\x04 \x01(\x0b\x32#.tandem.v1.SpeculativeDecodingStats\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x06 \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x07 \x01(\x05\"\xbe\x01\n\x1eGatewayServiceGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x1b\n\x19GatewayServiceInfoRequest\"s\n\x1aGatewayServiceInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\x05*h\n\x0fStreamSmoothing\x12 \n\x1cSTREAM_SMOOTHING_UNSPECIFIED\x10\x00\x12\x18\n\x14STREAM_SMOOTHING_OFF\x10\x01\x12\x19\n\x15STREAM_SMOOTHING_AUTO\x10\x02\x32\xc8\x01\n\x0eGatewayService\x12\x61\n\x08Generate\x12(.tandem.v1.GatewayServiceGenerateRequest\x1a).tandem.v1.GatewayServiceGenerateResponse0\x01\x12S\n\x04Info\x12$.tandem.v1.GatewayServiceInfoRequest\x1a%.tandem.v1.GatewayServiceInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STREAMSMOOTHING']._serialized_start=1963
-  _globals['_STREAMSMOOTHING']._serialized_end=2067
-  _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=106
-  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_start=109
-  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_end=1174
-  _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._serialized_start=919
-  _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._serialized_end=967
-  _globals['_SPECULATIVEDECODINGSTATS']._serialized_start=1177
-  _globals['_SPECULATIVEDECODINGSTATS']._serialized_end=1371
-  _globals['_USAGE']._serialized_start=1374
-  _globals['_USAGE']._serialized_end=1622
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=1625
-  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=1815
-  _globals['_GATEWAYSERVICEINFOREQUEST']._serialized_start=1817
-  _globals['_GATEWAYSERVICEINFOREQUEST']._serialized_end=1844
-  _globals['_GATEWAYSERVICEINFORESPONSE']._serialized_start=1846
-  _globals['_GATEWAYSERVICEINFORESPONSE']._serialized_end=1961
-  _globals['_GATEWAYSERVICE']._serialized_start=2070
-  _globals['_GATEWAYSERVICE']._serialized_end=2270
+  _globals['_STREAMSMOOTHING']._serialized_start=2142
+  _globals['_STREAMSMOOTHING']._serialized_end=2246
+  _globals['_CHATMESSAGE']._serialized_start=92
+  _globals['_CHATMESSAGE']._serialized_end=136
+  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_start=139
+  _globals['_GATEWAYSERVICEGENERATEREQUEST']._serialized_end=1353
+  _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1072
+  _globals['_GATEWAYSERVICEGENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1120
+  _globals['_SPECULATIVEDECODINGSTATS']._serialized_start=1356
+  _globals['_SPECULATIVEDECODINGSTATS']._serialized_end=1550
+  _globals['_USAGE']._serialized_start=1553
+  _globals['_USAGE']._serialized_end=1801
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_start=1804
+  _globals['_GATEWAYSERVICEGENERATERESPONSE']._serialized_end=1994
+  _globals['_GATEWAYSERVICEINFOREQUEST']._serialized_start=1996
+  _globals['_GATEWAYSERVICEINFOREQUEST']._serialized_end=2023
+  _globals['_GATEWAYSERVICEINFORESPONSE']._serialized_start=2025
+  _globals['_GATEWAYSERVICEINFORESPONSE']._serialized_end=2140
+  _globals['_GATEWAYSERVICE']._serialized_start=2249
+  _globals['_GATEWAYSERVICE']._serialized_end=2449
 # @@protoc_insertion_point(module_scope)
