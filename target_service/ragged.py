@@ -97,7 +97,7 @@ class RaggedCache:
         held = self.caches[0].layers
         if len(held) < layers or not all(
             isinstance(layer, kv_cache.GrowableLayer) and layer.buffers is not None
-            and layer.buffers[0].dtype == torch.float32 for layer in held[:layers]
+            and layer.buffers[0].dtype == torch.float32 and layer.buffers[0].shape[0] == 1 for layer in held[:layers]
         ):
             return None
         for layer in held[:layers]:
