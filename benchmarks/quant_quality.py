@@ -14,6 +14,11 @@ build):
   which no bench prompt and no distill corpus uses), scored as ``llama-perplexity`` does: chunks of
   ``--context`` tokens, each beginning with BOS, the second half of each chunk scored. With
   ``--llama-perplexity`` the same text goes through llama.cpp's tool on the same GGUF file.
+
+Each quantized build is measured twice: through transformers' module tree (``generate`` and one
+forward per chunk), and through the pass the target serves (``target_service.ragged.forward`` with
+``row_exact``: row-by-row attention, the Gemma pass without the module tree, one decode step per
+token), whose summation orders differ and which is what users get.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from tandem.tools.bench.prompts import load_prompts
 from tandem.models import load_model, resolve
 from tandem.quant.native import available_kernels
+from target_service import kv_cache, ragged
 
 
 def held_out_text() -> str:
@@ -53,20 +59,43 @@ def greedy(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def perplexity(model, tokenizer, text: str, context: int) -> tuple[float, int]:
-    """(perplexity, scored tokens) over chunks of ``context`` tokens, the second half of each scored."""
+def perplexity(model, tokenizer, text: str, context: int, logits_of=None) -> tuple[float, int]:
+    """(perplexity, scored tokens) over chunks of ``context`` tokens, the second half of each scored;
+    ``logits_of(chunk) -> [context, vocab]``, by default the module tree's forward."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     bos = tokenizer.bos_token_id
     nll, scored = 0.0, 0
     for start in range(0, len(ids) - context + 1, context):
         chunk = [bos, *ids[start : start + context - 1]]
-        logits = model(torch.tensor([chunk])).logits[0].float()  # [context, vocab]
+        logits = (logits_of(chunk) if logits_of else model(torch.tensor([chunk])).logits[0]).float()  # [context, vocab]
         logp = torch.log_softmax(logits[:-1], dim=-1)  # predicts chunk[1:]
         first = context // 2
         targets = torch.tensor(chunk[first + 1 :])
         nll -= float(logp[first:].gather(1, targets[:, None]).sum())
         scored += len(targets)
     return math.exp(nll / scored), scored
+
+
+@torch.inference_mode()
+def served_greedy(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    """The greedy tokens the target serves: the prompt in one row-exact pass, then a step a token."""
+    cache = kv_cache.new_cache()
+    step, out = tokenizer(prompt).input_ids, []
+    for _ in range(max_tokens):
+        (logits,), _ = ragged.forward(model, [cache], [step], "cpu", last_only=[True], row_exact=True)  # [1, vocab]
+        out.append(int(logits[-1].argmax()))
+        step = out[-1:]
+    return out
+
+
+@torch.inference_mode()
+def served_perplexity(model, tokenizer, text: str, context: int) -> tuple[float, int]:
+    """As :func:`perplexity`, each chunk one row-exact pass as the target prefills a prompt."""
+    def logits_of(chunk: list[int]) -> torch.Tensor:
+        (logits,), _ = ragged.forward(model, [kv_cache.new_cache()], [chunk], "cpu", row_exact=True)
+        return logits  # [context, vocab]
+
+    return perplexity(model, tokenizer, text, context, logits_of)
 
 
 def llama_perplexity(binary: str, gguf: Path, text: str, context: int, threads: int) -> float | None:
@@ -97,18 +126,20 @@ def main(argv: list[str] | None = None) -> dict:
     for isa in args.kernels if args.kernels is not None else available_kernels():
         os.environ["TANDEM_QUANT_KERNEL"] = isa
         quantized = load_model(args.model, device="cpu", dtype="auto")
-        prefixes = []
-        for prompt, want in zip(prompts, reference):
-            got = greedy(quantized.model, quantized.tokenizer, prompt.prompt, args.max_tokens)
-            prefixes.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
-        ppl, scored = perplexity(quantized.model, quantized.tokenizer, text, args.context)
-        rows[f"quantized ({isa})"] = {
-            "perplexity": ppl,
-            "mean_identical_prefix": sum(prefixes) / len(prefixes),
-            "prompts_identical": sum(p == args.max_tokens for p in prefixes),
-            "prompts": len(prefixes),
-            "scored_tokens": scored,
-        }
+        ragged.install(quantized.model)
+        for way, decode, score in (("", greedy, perplexity), (", served pass", served_greedy, served_perplexity)):
+            prefixes = []
+            for prompt, want in zip(prompts, reference):
+                got = decode(quantized.model, quantized.tokenizer, prompt.prompt, args.max_tokens)
+                prefixes.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
+            ppl, scored = score(quantized.model, quantized.tokenizer, text, args.context)
+            rows[f"quantized ({isa}{way})"] = {
+                "perplexity": ppl,
+                "mean_identical_prefix": sum(prefixes) / len(prefixes),
+                "prompts_identical": sum(p == args.max_tokens for p in prefixes),
+                "prompts": len(prefixes),
+                "scored_tokens": scored,
+            }
         del quantized
     if args.llama_perplexity:
         resolved = resolve(args.model)
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             extra = (f"  greedy vs float32: {row['mean_identical_prefix']:.1f} of {args.max_tokens} leading tokens "
                      f"identical on average, {row['prompts_identical']}/{row['prompts']} prompts identical throughout")
         ppl = row["perplexity"]
-        print(f"{name:<24} perplexity {'-' if ppl is None else format(ppl, '.4f')}{extra}")
+        print(f"{name:<38} perplexity {'-' if ppl is None else format(ppl, '.4f')}{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return rows
