@@ -20,11 +20,11 @@ llama.cpp take one) replaces the tokenizer's own or the fallback: for a base mod
 rather prompt another way, or a checkpoint whose template is missing or wrong.
 
 A chat request can shape the rendering as vLLM's and llama.cpp's chat APIs let it
-(:class:`gateway.template_options.TemplateOptions`): ``add_generation_prompt`` false leaves the assistant turn unopened,
-``continue_final_message`` leaves the last (assistant) message open so the answer continues it
-(transformers cuts the rendering after that message's text), and ``chat_template_kwargs`` sets the
-template's own variables (Qwen 3's ``enable_thinking``, say). A template reads only the variables it
-names, so kwargs a template ignores change nothing, as in vLLM.
+(:class:`gateway.template_options.TemplateOptions`): ``add_generation_prompt`` false leaves the
+assistant turn unopened, ``continue_final_message`` leaves the last (assistant) message open so the
+answer continues it (transformers cuts the rendering after that message's text), and
+``chat_template_kwargs`` sets the template's own variables (Qwen 3's ``enable_thinking``, say). A
+template reads only the variables it names, so kwargs a template ignores change nothing, as in vLLM.
 
 Independently of the template, when the vocabulary has an end-of-turn token (Gemma's
 ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``, Phi's ``<|end|>``), chat

@@ -5,8 +5,9 @@ the context; the tokenizer they would load themselves may not be the served one.
 vLLM's (also close to llama-server's): a ``prompt`` is tokenized as ``/v1/completions`` prefills it
 (with the tokenizer's special tokens, BOS, unless ``add_special_tokens`` is false), ``messages`` as
 ``/v1/chat/completions`` does (the model's chat template, ending with an open assistant turn unless
-``add_generation_prompt`` is false; ``continue_final_message`` and ``chat_template_kwargs`` as there). Invariant: the ids returned for a request's prompt or messages
-are exactly the ones a generation request with the same input prefills.
+``add_generation_prompt`` is false; ``continue_final_message`` and ``chat_template_kwargs`` as
+there). Invariant: the ids returned for a request's prompt or messages are exactly the ones a
+generation request with the same input prefills.
 """
 
 from __future__ import annotations
