@@ -147,7 +147,7 @@ class GemmaPass:
         self.attention_kwargs = {"scaling": float(self.layers[0].attention.scaling),
                                  "softcap": config.attn_logit_softcapping}
         # the whole layer in one call: the native ops fused, so only where they are native too
-        self.native_layer, self.native_arguments = (
+        self.native_layer, self.layer_arguments = (
             _native_layers(self.layers, self.final_norm) if ops is not reference else (None, [])
         )
 
@@ -167,7 +167,7 @@ class GemmaPass:
             if buffers is not None:  # the whole layer in one native call, writing the cache in place
                 cached = buffers[index].reserve(rows)
                 hidden, normed = self.native_layer(
-                    hidden, normed, cos, sin, *self.native_arguments[index], *buffers[index].buffers, cached,
+                    hidden, normed, cos, sin, *self.layer_arguments[index], *buffers[index].buffers, cached,
                     *ragged.alone_ranges(cached, layer.window), self.heads, self.kv_heads, self.head_dim, eps,
                     self.attention_kwargs["scaling"], self.attention_kwargs["softcap"] or 0.0,
                 )

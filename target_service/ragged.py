@@ -89,9 +89,9 @@ class RaggedCache:
 
     def alone_buffers(self, layers: int) -> list[kv_cache.GrowableLayer] | None:
         """For a row-exact pass over one session whose cache holds ``layers`` layers already written
-        in place (:class:`kv_cache.GrowableLayer`, float32): those layers, each with room for this
-        pass's rows (``reserve``), for a writer that fills them itself and then calls ``advance``
-        (the native decoder layer, ``gemma_pass``). Else None (a first pass, another cache)."""
+        in place (:class:`kv_cache.GrowableLayer`, float32, one sequence): those layers, for a writer
+        that makes room (``reserve``), fills it itself and then calls ``advance`` (the native decoder
+        layer, ``gemma_pass``). Else None (a first pass, another cache)."""
         if not self.row_exact or len(self.caches) != 1:
             return None
         held = self.caches[0].layers
@@ -100,8 +100,6 @@ class RaggedCache:
             and layer.buffers[0].dtype == torch.float32 and layer.buffers[0].shape[0] == 1 for layer in held[:layers]
         ):
             return None
-        for layer in held[:layers]:
-            layer.reserve(self.sizes[0])
         return list(held[:layers])
 
     def alone_ranges(self, cached: int, window: int | None) -> tuple[torch.Tensor, ...]:

@@ -296,7 +296,7 @@ def test_the_native_decoder_layer_computes_what_the_calls_one_by_one_do(tiny_ggu
     full = keys.shape[2]
     with pytest.raises(RuntimeError, match="no room"):  # a caller that did not reserve is refused, nothing written
         normed = torch.zeros(1, model.config.hidden_size)
-        native(normed, normed, torch.ones(1, lean.head_dim), torch.zeros(1, lean.head_dim), *lean.native_arguments[0],
+        native(normed, normed, torch.ones(1, lean.head_dim), torch.zeros(1, lean.head_dim), *lean.layer_arguments[0],
                keys, values, full, *ragged._row_ranges(full - 1, 1, None, None), lean.heads, lean.kv_heads,
                lean.head_dim, 1e-6, 1.0, 0.0)
 
