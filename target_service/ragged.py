@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,6 +57,8 @@ class RaggedCache:
     specs: dict[int, TreeSpec] = field(default_factory=dict)
     # attend row by row, each over exactly the keys an autoregressive step at its position sees (see forward)
     row_exact: bool = False
+    # The native row attention a row-exact pass attends with (_native_attention), or None (PyTorch).
+    attention: Callable | None = None
     # (session, window) -> the native row attention's key ranges (_row_ranges): once per pass, not per layer
     row_plans: dict[tuple, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
@@ -84,7 +87,7 @@ class RaggedCache:
         appends the layer's new keys and values to the session's cache and attends each row alone
         (what :meth:`update` and the installed attention do, without their per-layer generality).
         Else None."""
-        native = _native_attention() if self.row_exact and len(self.caches) == 1 and head_dim % 16 == 0 else None
+        native = self.attention if self.row_exact and len(self.caches) == 1 and head_dim % 16 == 0 else None
         return None if native is None else partial(self._attend_alone, native)
 
     def alone_buffers(self, layers: int) -> list[kv_cache.GrowableLayer] | None:
@@ -204,7 +207,8 @@ def forward(
         logits_to_keep = torch.cat(
             [torch.arange(int(end) - keep, int(end)) for end, keep in zip(ends, kept)]
         ).to(device)  # [sum(kept)] row indices (none at all: an empty index, and an LM head over no rows)
-    ragged = RaggedCache(caches, sizes, tree_list, row_exact=row_exact)
+    attention = _native_attention(_attention_isa(model)) if row_exact else None
+    ragged = RaggedCache(caches, sizes, tree_list, row_exact=row_exact, attention=attention)
     lean = gemma_pass.for_model(model)
     with _active(ragged):
         if lean is not None:  # a quantized Gemma 3: the same computation without the module tree
@@ -253,7 +257,8 @@ def _ragged_attention(inner: str) -> Callable:
             tree = ragged.tree(session)
             mask = None
             if wants_mask and ragged.row_exact:
-                out = _rows_alone(q, keys, values, window, tree, kwargs, ragged.row_plans, (session, window))
+                out = _rows_alone(q, keys, values, window, tree, kwargs, ragged.attention, ragged.row_plans,
+                                  (session, window))
             elif wants_mask:
                 if window and keys.shape[2] > window + size - 1:  # keys no query of this slice can see
                     keys, values = keys[:, :, -(window + size - 1) :], values[:, :, -(window + size - 1) :]
@@ -272,16 +277,16 @@ def _ragged_attention(inner: str) -> Callable:
     return attention
 
 
-def _rows_alone(query, keys, values, window, tree, kwargs, plans: dict | None = None, key=None) -> torch.Tensor:
+def _rows_alone(query, keys, values, window, tree, kwargs, native: Callable | None, plans: dict | None = None,
+                key=None) -> torch.Tensor:
     """Each row of ``query`` [1, heads, n, head_dim] attended alone over its visible keys of
     ``keys``/``values`` [1, kv_heads, cached + n, head_dim]: the cache, then the new rows up to
     itself (its path in a tree), the last ``window`` of them; the same computation a one-token
-    step at that position makes (the native ``row_attention`` where it is built, else
+    step at that position makes (``native``, the native ``row_attention``, where it is given, else
     :func:`_attend_one` per row); -> [1, n, heads, head_dim]. ``plans[key]`` keeps the native call's
     key ranges (:func:`_row_ranges`), the same for every layer of a pass with this window."""
     size = query.shape[2]
     cached = keys.shape[2] - size
-    native = _native_attention()
     if native is not None and query.dtype == torch.float32 and query.shape[-1] % 16 == 0:
         ranges = plans.get(key) if plans is not None else None
         if ranges is None:
@@ -335,20 +340,33 @@ def _row_ranges(cached: int, size: int, window: int | None, tree) -> tuple[torch
     return torch.tensor(lo), torch.tensor(hi), index, torch.tensor(count)
 
 
-_NATIVE: list = []
+_NATIVE: dict[str | None, Callable | None] = {}  # isa -> its row_attention, or None where it is not built
+_ISAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the isa its passes attend with
 
 
-def _native_attention():
-    """tandem.quant's row_attention for this host's build, or None (then PyTorch, row by row)."""
-    if not _NATIVE:
-        from tandem.quant.native import KernelUnavailable, load_row_attention, probe
+def _native_attention(isa: str | None) -> Callable | None:
+    """tandem.quant's row_attention built for ``isa``, or None (then PyTorch, row by row)."""
+    if isa not in _NATIVE:
+        from tandem.quant.native import KernelUnavailable, load_row_attention
 
-        isa, _ = probe()
         try:
-            _NATIVE.append(load_row_attention(isa) if isa else None)
+            _NATIVE[isa] = load_row_attention(isa) if isa else None
         except KernelUnavailable:
-            _NATIVE.append(None)
-    return _NATIVE[0]
+            _NATIVE[isa] = None
+    return _NATIVE[isa]
+
+
+def _attention_isa(model) -> str | None:
+    """The build a row-exact pass of ``model`` attends with: its int8 kernel's, as its native decoder
+    layer (gemma_pass), compiled for that kernel, does, so the two round alike; where the kernel is
+    PyTorch's reference, this host's (the probe's)."""
+    if model not in _ISAS:
+        from tandem.quant.modules import int8_kernel_isa
+        from tandem.quant.native import ISA_FLAGS, probe
+
+        isa = int8_kernel_isa(model)
+        _ISAS[model] = isa if isa in ISA_FLAGS else probe()[0]
+    return _ISAS[model]
 
 
 def _attend_one(query, keys, values, kwargs) -> torch.Tensor:

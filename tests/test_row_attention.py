@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.quant.native import load_row_attention, runs_here
+from tandem.quant.native import load_row_attention, probe, runs_here
 from target_service import ragged
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
@@ -62,21 +62,21 @@ def test_bad_ranges_are_refused(native) -> None:
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize("tree", [None, (-1, 0, -1, 2, 1)], ids=["chain", "tree"])
-def test_a_passes_rows_equal_one_token_steps_bit_for_bit(monkeypatch, use_native, tree) -> None:
+def test_a_passes_rows_equal_one_token_steps_bit_for_bit(use_native, tree) -> None:
     """Row i of a pass over a cache of 10 keys equals the step at its position over the cache plus
     its path (each path's keys laid out as a committed sequence would be), window 6."""
-    if not use_native:
-        monkeypatch.setattr(ragged, "_NATIVE", [None])
+    native = ragged._native_attention(probe()[0]) if use_native else None
     generator = torch.Generator().manual_seed(3)
     size, cached, heads, dim = 5, 10, 4, 32
     query = torch.randn(1, heads, size, dim, generator=generator)
     keys = torch.randn(1, 1, cached + size, dim, generator=generator)
     values = torch.randn(1, 1, cached + size, dim, generator=generator)
     kwargs = {"scaling": dim**-0.5}
-    together = ragged._rows_alone(query, keys, values, 6, tree, kwargs)  # [1, n, heads, dim]
+    together = ragged._rows_alone(query, keys, values, 6, tree, kwargs, native)  # [1, n, heads, dim]
     paths = ragged._paths(tree, size)
     for row in range(size):
         order = list(range(cached)) + [cached + node for node in paths[row]]  # the committed sequence
         step_keys, step_values = keys[:, :, order].contiguous(), values[:, :, order].contiguous()
-        alone = ragged._rows_alone(query[:, :, row : row + 1].contiguous(), step_keys, step_values, 6, None, kwargs)
+        alone = ragged._rows_alone(query[:, :, row : row + 1].contiguous(), step_keys, step_values, 6, None, kwargs,
+                                   native)
         assert torch.equal(alone[0, 0], together[0, row])

@@ -116,4 +116,10 @@ def bound_product(kernel: QuantKernel, weight: QuantizedTensor) -> Callable[[tor
 
 def int8_activations(model: nn.Module) -> bool:
     """Whether any layer of ``model`` quantizes its activations (the int8 kernel)."""
-    return any(isinstance(m, QuantLinear) and m.kernel.activations == "int8" for m in model.modules())
+    return int8_kernel_isa(model) is not None
+
+
+def int8_kernel_isa(model: nn.Module) -> str | None:
+    """The build of the first of ``model``'s layers that quantizes its activations, or None."""
+    return next((m.kernel.isa for m in model.modules() if isinstance(m, QuantLinear) and m.kernel.activations == "int8"),
+                None)
