@@ -272,11 +272,22 @@ def _convert_gguf_unlocked(gguf_path: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _drop_load_options(tmp)
     _write_added_tokens(tmp, tokenizer)
     (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
+
+
+def _drop_load_options(folder: Path) -> None:
+    """Takes out of a saved tokenizer's config how it was loaded (transformers records
+    ``local_files_only``, which follows ``HF_HUB_OFFLINE``): the same file converts to the same bytes
+    whether ``tandem serve`` or a library call converted it."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if config.pop("local_files_only", None) is not None:
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_blocks(gguf_path: Path, out: Path) -> None:
