@@ -1,5 +1,5 @@
 """What presence and frequency penalties (or a repetition penalty, a logit bias, a min_tokens floor,
-min_p) cost, and that speculation keeps them: a running stack's completions with and without them,
+min_p, typical_p, bad words) cost, and that speculation keeps them: a running stack's completions with and without them,
 speculative and autoregressive, interleaved per prompt.
 
 Per prompt of the bench set, greedy, ``ignore_eos``, each of four lanes in turn (``on``/``off`` x
@@ -8,14 +8,17 @@ per second of each lane over the run, their ratios, and in how many prompts the 
 autoregressive answers under the penalties were the same text. ``--ban WORD ...`` measures
 ``logit_bias`` instead: -100 on each token of those words (ids from the server's ``/tokenize``);
 ``--repetition R`` the ``repetition_penalty`` R; ``--floor`` ``min_tokens`` at ``max_tokens`` without
-``ignore_eos`` (the end-of-sequence token held back on every row); ``--min-p P`` ``min_p`` P, which
-only sampled requests feel: with ``--temperature T`` every lane samples (prompt i seeded i).
+``ignore_eos`` (the end-of-sequence token held back on every row); ``--min-p P`` ``min_p`` P and
+``--typical-p P`` ``typical_p`` P, which only sampled requests feel: with ``--temperature T`` every
+lane samples (prompt i seeded i); ``--bad-words WORD ...`` vLLM's ``bad_words``.
 
     tandem serve &   # or any stack
     python benchmarks/penalties_cost.py --url http://127.0.0.1:8000 --limit 12 --max-tokens 64
     python benchmarks/penalties_cost.py --ban " the" " a" "," --limit 12
     python benchmarks/penalties_cost.py --repetition 1.1 --limit 12
     python benchmarks/penalties_cost.py --min-p 0.05 --temperature 1 --limit 12
+    python benchmarks/penalties_cost.py --typical-p 0.9 --temperature 1 --limit 12
+    python benchmarks/penalties_cost.py --bad-words the and is --limit 12
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def main() -> None:
     parser.add_argument("--repetition", type=float, help="measure this repetition_penalty instead")
     parser.add_argument("--floor", action="store_true", help="measure min_tokens = --max-tokens (EOS held back)")
     parser.add_argument("--min-p", type=float, help="measure this min_p instead (with --temperature)")
+    parser.add_argument("--typical-p", type=float, help="measure this typical_p instead (with --temperature)")
+    parser.add_argument("--bad-words", nargs="+", metavar="WORD", help="measure bad_words of these words instead")
     parser.add_argument("--temperature", type=float, default=0.0, help="every lane's temperature (default 0: greedy)")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -77,6 +82,10 @@ def main() -> None:
             what, shaping = "min_tokens at max_tokens", {"min_tokens": args.max_tokens, "ignore_eos": False}
         elif args.min_p is not None:
             what, shaping = f"min_p {args.min_p:g}", {"min_p": args.min_p}
+        elif args.typical_p is not None:
+            what, shaping = f"typical_p {args.typical_p:g}", {"typical_p": args.typical_p}
+        elif args.bad_words:
+            what, shaping = f"bad_words ({len(args.bad_words)} words)", {"bad_words": args.bad_words}
         bodies = {False: {}, True: shaping}
         complete(client, prompts[0], "on", shaping, args.max_tokens if args.floor else 8)  # warm-up, unmeasured
         for i, prompt in enumerate(prompts):

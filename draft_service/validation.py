@@ -51,6 +51,8 @@ def _first_problem(spec: SessionSpec, target: TargetInfo) -> str | None:
         return f"top_k must be >= 0 (0 = no truncation), got {sampling.top_k}"
     if not math.isfinite(sampling.min_p) or not 0 <= sampling.min_p <= 1:
         return f"min_p must be in [0, 1] (0 = no truncation), got {sampling.min_p}"
+    if not math.isfinite(sampling.typical_p) or not 0 <= sampling.typical_p <= 1:
+        return f"typical_p must be in [0, 1] (0 or 1 = no truncation), got {sampling.typical_p}"
     if spec.session_max_new_tokens < 0:
         return f"params.max_new_tokens must be >= 0, got {spec.session_max_new_tokens}"
     if spec.max_new_tokens < 0:

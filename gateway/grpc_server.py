@@ -59,6 +59,8 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         top_p=request.top_p if request.HasField("top_p") else None,
         top_k=request.top_k if request.HasField("top_k") else None,
         min_p=request.min_p if request.HasField("min_p") else None,
+        typical_p=request.typical_p if request.HasField("typical_p") else None,
+        bad_words=tuple(request.bad_words),
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),

@@ -117,6 +117,10 @@ class _GenerationBody(_StrictBody):
     min_p: float | None = Field(
         None, description="drop tokens less probable than min_p times the most probable one (vLLM's and llama.cpp's)"
     )
+    typical_p: float | None = Field(
+        None, description="keep the tokens nearest the entropy, up to this mass (locally typical sampling; 1 = all)"
+    )
+    bad_words: list[str] | None = Field(None, description="words the answer never spells (vLLM's)")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (vLLM's extension)")
     include_stop_str_in_output: bool = Field(
@@ -158,6 +162,8 @@ class _GenerationBody(_StrictBody):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            typical_p=self.typical_p,
+            bad_words=tuple(self.bad_words or ()),
             seed=self.seed,
             n=self.n,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),

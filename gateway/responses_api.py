@@ -110,6 +110,8 @@ class ResponsesRequest(_Body):
     num_speculative_tokens: int | None = None
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
+    bad_words: list[str] | None = None
     seed: int | None = None
     stream_smoothing: str | None = None
 
@@ -137,6 +139,8 @@ class ResponsesRequest(_Body):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            typical_p=self.typical_p,
+            bad_words=tuple(self.bad_words or ()),
             seed=self.seed,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,

@@ -9,7 +9,7 @@ wins; ``--generation-config none`` keeps OpenAI's defaults. ``do_sample`` is not
 not either): a request without a temperature samples at the model's.
 
 Only the fields tandem honours are taken (``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``), and only values a request could send (``RANGES``, which
+``typical_p``, ``repetition_penalty``), and only values a request could send (``RANGES``, which
 ``gateway.validation`` checks requests against): one out of range is left out and logged, so a
 start never fails on a checkpoint's generation config.
 """
@@ -35,6 +35,7 @@ RANGES = {
     "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
     "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
+    "typical_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1] (1 disables it)"),
     "repetition_penalty": (lambda v: 0.0 < v <= MAX_REPETITION_PENALTY,
                            f"above 0 and at most {MAX_REPETITION_PENALTY:g} (1: none)"),
 }
@@ -56,12 +57,13 @@ def _valid(name: str, value: object) -> bool:
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request that leaves a field out gets; None: OpenAI's default (temperature 1, top-p 1,
-    no top-k, no min_p, no repetition penalty)."""
+    no top-k, no min_p, no typical_p, no repetition penalty)."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
     repetition_penalty: float | None = None
 
     @classmethod

@@ -96,8 +96,9 @@ class TargetSession:
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
             logit_bias=request.logit_bias,
-            # A session moved or resynced goes on from the text the client has: its grammar and
-            # penalties count that text.
+            bad_words=request.bad_words,
+            # A session moved or resynced goes on from the text the client has: its grammar,
+            # penalties and bad words count that text.
             continued_tokens=self.prompt_len - len(request.prompt_token_ids),
             # Like the budget, the floor counts this session's own tokens.
             min_tokens=max(0, request.min_tokens - (self.prompt_len - len(request.prompt_token_ids))),

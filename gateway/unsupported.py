@@ -1,12 +1,12 @@
 """What clients send that tandem does not do, refused by name with a 400 instead of dropped.
 
 A client that asks for audio, a web search, legacy ``functions``, an image in a message or another
-server's sampling control (``typical_p``, llama.cpp's ``repeat_penalty``, ...) and gets plain
+server's sampling control (``tfs_z``, llama.cpp's ``repeat_penalty``, ...) and gets plain
 text back has lost what it asked for without being told. So each of these is refused, naming the
 field and what to send instead. Fields that only describe the caller or hint at effort (``user``,
 ``metadata``, ``store``, ``service_tier``, ``reasoning_effort``, ``verbosity``, ...) change nothing
 a client could check in the answer; they stay ignored, as OpenAI-compatible servers ignore unknown
-fields. A refused field sent with its neutral value (null, ``typical_p: 1``, ``modalities: ["text"]``,
+fields. A refused field sent with its neutral value (null, ``tfs_z: 1``, ``modalities: ["text"]``,
 ``use_beam_search: false``) asks for nothing and passes: clients that always send a full set of
 defaults keep working.
 
@@ -39,8 +39,8 @@ def _text_only(value: Any) -> bool:
 # Read on the chat and completions routes (gateway.structured_fields); refused on /v1/responses.
 _CHAT_ONLY = "it shapes how messages are rendered; /v1/chat/completions takes it"
 _STRUCTURED = "on /v1/responses use text.format (json_schema, regex or grammar; see docs/structured-output.md)"
-_SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, logit_bias and the presence, frequency "
-             "and repetition penalties only")
+_SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, typical_p, logit_bias, bad_words and the "
+             "presence, frequency and repetition penalties only")
 
 # field: (is its value neutral, what to tell the client)
 REFUSED: dict[str, tuple[Neutral, str]] = {
@@ -51,7 +51,6 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "modalities": (_text_only, 'only the "text" modality is served'),
     "web_search_options": (lambda v: v is None, "web search is not available on this server"),
     # other servers' sampling controls
-    "typical_p": (_equal_to(1), _SAMPLING),
     "tfs_z": (_equal_to(1), _SAMPLING),
     "top_a": (_equal_to(0), _SAMPLING),
     "repeat_penalty": (_equal_to(1), "llama.cpp's repeat_penalty looks at the last tokens only; send "
@@ -61,7 +60,6 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "dry_multiplier": (_equal_to(0), _SAMPLING),
     "xtc_probability": (_equal_to(0), _SAMPLING),
     "use_beam_search": (_equal_to(False), "beam search is not supported"),
-    "bad_words": (_empty, "bad_words is not supported; logit_bias of -100 bans a token"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported; completions with echo and "
                                              "logprobs score the prompt's tokens"),
     # other servers' ways to ask for structured output, and their chat-template controls

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Union
 
+from gateway.bad_words import bad_word_sequences
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
@@ -56,6 +57,7 @@ class RequestFields:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None  # vLLM's and llama.cpp's; None: 0 (none)
+    typical_p: float | None = None  # Hugging Face's and llama.cpp's; None: 1 (none)
     seed: int | None = None
     n: int | None = None
     stop: tuple[str, ...] = ()
@@ -76,6 +78,7 @@ class RequestFields:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # HF transformers', vLLM's and TGI's; None: 1 (none)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    bad_words: tuple[str, ...] = ()  # words the answer never spells (vLLM's; gateway.bad_words)
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the messages are rendered
@@ -157,6 +160,7 @@ class RequestValidator:
             frequency_penalty=self._penalty(fields.frequency_penalty, "frequency_penalty"),
             repetition_penalty=self._sampled(fields, "repetition_penalty", 1.0),
             logit_bias=self._logit_bias(fields.logit_bias),
+            bad_words=bad_word_sequences(fields.bad_words, self._model.tokenizer),
             tool_calling=fields.tool_calling,
             prediction_token_ids=self._prediction(fields.prediction),
         )
@@ -200,6 +204,9 @@ class RequestValidator:
             if grammar is not None and getattr(fields, name):
                 raise InvalidRequest(f"{name} cannot be combined with structured output: the text ends when it is "
                                      "complete", param=name)
+        if grammar is not None and fields.bad_words:
+            raise InvalidRequest("bad_words cannot be combined with structured output or tools: the format may "
+                                 "allow only a banned token where the text must go on", param="bad_words")
         if grammar is not None and len(grammar.spec) > MAX_GRAMMAR_CHARS:
             where = "response_format" if fields.tool_calling is None else "tools"
             raise InvalidRequest(f"{where}: the schema, regex or grammar has {len(grammar.spec)} characters, more "
@@ -229,10 +236,11 @@ class RequestValidator:
     def _sampling(self, fields: RequestFields) -> SamplingParams:
         temperature, top_p = self._sampled(fields, "temperature", 1.0), self._sampled(fields, "top_p", 1.0)
         top_k, min_p = self._sampled(fields, "top_k", 0), self._sampled(fields, "min_p", 0.0)
+        typical_p = self._sampled(fields, "typical_p", 1.0)
         if fields.seed is not None and not 0 <= fields.seed <= MAX_SEED:
             raise InvalidRequest(f"seed must be between 0 and 2**64-1, got {fields.seed}", param="seed")
         # top_k beyond the vocabulary truncates nothing; clamping keeps it within int32 on the wire.
-        return SamplingParams(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed, min_p)
+        return SamplingParams(temperature, top_p, min(top_k, self._model.vocab_size), fields.seed, min_p, typical_p)
 
     @staticmethod
     def _speculation(fields: RequestFields) -> tuple[Speculation, int | None]:

@@ -40,6 +40,7 @@ from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
 from target_service.errors import InvalidArgument
 from target_service.grammar import Grammars
+from target_service.bad_words import BadWords
 from target_service.logit_bias import LogitBias
 from target_service.penalties import Penalties
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
@@ -215,6 +216,7 @@ class TargetEngine:
             constraint=constraint,
             penalties=penalties,
             logit_bias=LogitBias(config.logit_bias, self.device) if config.logit_bias else None,
+            bad_words=BadWords(config.bad_words, self.device) if config.bad_words else None,
         )
         if prompt_logprobs:
             chunk = min(self.prefill_chunk_tokens or len(prompt_token_ids), PROMPT_LOGPROBS_CHUNK)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.telemetry.metrics import Metrics
-from target_service import acceptance, kv_cache, min_p, min_tokens, tree
+from target_service import acceptance, kv_cache, min_p, min_tokens, tree, typical_p
 from target_service.logprobs import token_logprobs
 from target_service.types import (
     DraftBlock,
@@ -256,10 +256,12 @@ class Planner:
         self, session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
     ) -> RowScores:
         """The scores a session's tokens are taken from: its logits without stop tokens where
-        ``min_tokens`` holds them back (``target_service.min_tokens``), biased and penalised at each
+        ``min_tokens`` holds them back (``target_service.min_tokens``) and without the last tokens of
+        its bad words where the text before them is there (``target_service.bad_words``), biased and penalised at each
         row (``target_service.logit_bias``, ``target_service.penalties``), with what its grammar
-        forbids there masked out (``target_service.grammar``) and then what min_p drops
-        (``target_service.min_p``), where it has them; the scores as they are otherwise.
+        forbids there masked out (``target_service.grammar``) and then what min_p and typical_p drop
+        (``target_service.min_p``, ``target_service.typical_p``), where it has them; the scores as they
+        are otherwise.
         Log-probabilities stay the model's own, from the logits before any of these."""
         if not session.reshapes_logits:
             return scores
@@ -267,6 +269,9 @@ class Planner:
         if session.holds_stops:
             stops = set(session.config.stop_token_ids) | (set() if session.config.ignore_eos else set(self._eos))
             logits = min_tokens.masked(logits, session.generated, session.config.min_tokens, stops, parents)
+        if session.bad_words is not None:
+            output = session.tokens[session.prompt_len - session.config.continued_tokens:]  # the generated text
+            logits = session.bad_words.masked(logits, output, drafts, parents)  # [rows, vocab]
         if session.logit_bias is not None:
             logits = session.logit_bias.applied(logits)  # [rows, vocab]
         if session.penalties is not None:
@@ -275,6 +280,8 @@ class Planner:
             logits = session.constraint.masked(logits, drafts, parents, self.runner.mask_rows)
         if session.config.cuts_by_min_p:
             logits = min_p.masked(logits, session.config.temperature, session.config.min_p)  # [rows, vocab]
+        if session.config.cuts_by_typical_p:
+            logits = typical_p.masked(logits, session.config.temperature, session.config.typical_p)  # [rows, vocab]
         return RowScores(logits=logits)
 
     # ----------------------------------------------------------------------------- committing

@@ -27,6 +27,7 @@ from target_service.prefix_cache import MIN_TOKENS, PrefixCache, common_prefix
 
 if TYPE_CHECKING:
     from target_service.grammar import Constraint
+    from target_service.bad_words import BadWords
     from target_service.logit_bias import LogitBias
     from target_service.penalties import Penalties
 
@@ -42,6 +43,7 @@ class SessionConfig:
     top_k: int = 0  # 0 = no top-k
     seed: int | None = None  # None = a fresh random seed
     min_p: float = 0.0  # 0 = none (target_service.min_p)
+    typical_p: float = 0.0  # 0 or 1 = none (target_service.typical_p)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     return_hidden_states: bool = False
@@ -53,6 +55,7 @@ class SessionConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
     min_tokens: int = 0  # the session's first tokens that are never stop tokens (target_service.min_tokens)
     repetition_penalty: float = 1.0  # (target_service.penalties)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # banned token sequences (target_service.bad_words)
 
     @property
     def penalized(self) -> bool:
@@ -64,9 +67,15 @@ class SessionConfig:
         return self.min_p > 0.0 and self.temperature >= GREEDY_TEMPERATURE
 
     @property
+    def cuts_by_typical_p(self) -> bool:
+        """Whether typical_p drops tokens (greedy sessions skip it, as Hugging Face's ``generate`` does)."""
+        return 0.0 < self.typical_p < 1.0 and self.temperature >= GREEDY_TEMPERATURE
+
+    @property
     def reshapes_logits(self) -> bool:
         """Whether tokens are chosen from logits other than the model's: biased, penalised or masked."""
-        return bool(self.logit_bias) or self.penalized or self.grammar is not None or self.cuts_by_min_p
+        return (bool(self.logit_bias) or self.penalized or self.grammar is not None or self.cuts_by_min_p
+                or self.cuts_by_typical_p or bool(self.bad_words))
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -78,6 +87,7 @@ class SessionConfig:
             top_k=sampling.top_k,
             seed=sampling.seed,
             min_p=sampling.min_p,
+            typical_p=sampling.typical_p,
             ignore_eos=params.ignore_eos,
             stop_token_ids=params.stop_token_ids,
             return_hidden_states=return_hidden_states,
@@ -89,6 +99,7 @@ class SessionConfig:
             logit_bias=params.logit_bias,
             min_tokens=params.min_tokens,
             repetition_penalty=params.repetition_penalty,
+            bad_words=params.bad_words,
         )
 
 
@@ -126,6 +137,8 @@ class Session:
     penalties: Penalties | None = field(default=None, repr=False)
     # The bias added to every row's logits, where the config has one (target_service.logit_bias).
     logit_bias: LogitBias | None = field(default=None, repr=False)
+    # The banned sequences, where the config has them (target_service.bad_words).
+    bad_words: BadWords | None = field(default=None, repr=False)
 
     @property
     def committed_len(self) -> int:

@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 
 from tandem.rpc.types import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -41,6 +43,19 @@ def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> No
             raise InvalidArgument(f"{field}[{position}] = {token} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_bad_words(config: SessionConfig, vocab_size: int) -> None:
+    """At most MAX_BAD_WORDS sequences of 1..MAX_BAD_WORD_TOKENS ids in the vocabulary, and not with a
+    grammar (which may allow nothing but a banned token where it must go on)."""
+    if len(config.bad_words) > MAX_BAD_WORDS:
+        raise InvalidArgument(f"bad_words: {len(config.bad_words)} sequences, more than the {MAX_BAD_WORDS} allowed")
+    for i, sequence in enumerate(config.bad_words):
+        if not 1 <= len(sequence) <= MAX_BAD_WORD_TOKENS:
+            raise InvalidArgument(f"bad_words[{i}] must have 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(sequence)}")
+        check_token_ids(f"bad_words[{i}]", sequence, vocab_size)
+    if config.bad_words and config.grammar is not None:
+        raise InvalidArgument("bad_words cannot be combined with a grammar: the grammar may allow only a banned token")
+
+
 def check_config(config: SessionConfig, vocab_size: int) -> None:
     if config.max_new_tokens <= 0:
         raise InvalidArgument(f"max_new_tokens must be positive, got {config.max_new_tokens}")
@@ -52,6 +67,8 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
         raise InvalidArgument(f"top_k must be >= 0, got {config.top_k}")
     if math.isnan(config.min_p) or not 0 <= config.min_p <= 1:
         raise InvalidArgument(f"min_p must be in [0, 1], got {config.min_p}")
+    if math.isnan(config.typical_p) or not 0 <= config.typical_p <= 1:
+        raise InvalidArgument(f"typical_p must be in [0, 1], got {config.typical_p}")
     check_token_ids("stop_token_ids", config.stop_token_ids, vocab_size)
     if config.top_logprobs is not None and not 0 <= config.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {config.top_logprobs}")
@@ -68,6 +85,7 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
                                   f"{MAX_LOGIT_BIAS:g}], got {bias}")
+    check_bad_words(config, vocab_size)
     if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
                               f"{MAX_GRAMMAR_CHARS} this server compiles")

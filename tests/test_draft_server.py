@@ -215,6 +215,7 @@ BAD_REQUESTS = {
     "top_p above 1": lambda r: setattr(r.params.sampling, "top_p", 1.5),
     "negative top_k": lambda r: setattr(r.params.sampling, "top_k", -2),
     "min_p above 1": lambda r: setattr(r.params.sampling, "min_p", 1.5),
+    "typical_p above 1": lambda r: setattr(r.params.sampling, "typical_p", 1.5),
     "negative session budget": lambda r: setattr(r.params, "max_new_tokens", -3),
     "negative call budget": lambda r: setattr(r, "max_new_tokens", -1),
 }

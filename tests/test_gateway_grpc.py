@@ -104,6 +104,8 @@ BAD_GRPC = [
     ("top_k -1", Request(prompt="hi", top_k=-1)),
     ("min_p 2", Request(prompt="hi", min_p=2)),
     ("min_p NaN", Request(prompt="hi", min_p=math.nan)),
+    ("typical_p 0", Request(prompt="hi", typical_p=0)),
+    ("typical_p NaN", Request(prompt="hi", typical_p=math.nan)),
     ("unknown model", Request(prompt="hi", model="no-such-model")),
     ("unknown speculation mode", Request(prompt="hi", speculation=99)),
     ("unknown stream smoothing", Request(prompt="hi", stream_smoothing=99)),

@@ -306,6 +306,8 @@ BAD_HTTP = [
     ("repetition_penalty 3", {"prompt": "hi", "repetition_penalty": 3}, "repetition_penalty"),
     ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("min_p negative", {"prompt": "hi", "min_p": -0.1}, "min_p"),
+    ("typical_p 0", {"prompt": "hi", "typical_p": 0}, "typical_p"),
+    ("typical_p above 1", {"prompt": "hi", "typical_p": 1.2}, "typical_p"),
     ("truncate_prompt_tokens 0", {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 BAD_CHAT = [
@@ -393,25 +395,26 @@ async def test_neutral_values_of_unsupported_features_are_accepted(stack):
     await stack.wait_until_idle()
 
 
-async def test_penalties_and_min_p_reach_the_target_from_http_and_grpc(stack):
-    """OpenAI's presence and frequency penalties, the repetition penalty and min_p go to the target's
-    session as they were sent (HTTP), or as the gRPC request's optional fields; unset, neutral."""
+async def test_penalties_min_p_and_typical_p_reach_the_target_from_http_and_grpc(stack):
+    """OpenAI's presence and frequency penalties, the repetition penalty, min_p and typical_p go to the
+    target's session as they were sent (HTTP), or as the gRPC request's optional fields; unset, neutral."""
     body = {"model": model_name(stack), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.25}
+            "presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.25, "typical_p": 0.5}
     assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
     params = stack.model.prefilled[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.25, 1.25)
+    assert params.sampling.typical_p == 0.5
     assert (await post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 2})).status_code == 200
     params = stack.model.prefilled[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0, 1)
-    assert params.sampling.min_p == 0
+    assert params.sampling.min_p == 0 and params.sampling.typical_p == 1
     async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
         request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, frequency_penalty=0.75,
-                                                            repetition_penalty=0.5, min_p=0.25)
+                                                            repetition_penalty=0.5, min_p=0.25, typical_p=0.75)
         [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
     params = stack.model.prefilled[-1]
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0, 0.75, 0.5)
-    assert params.sampling.min_p == 0.25
+    assert params.sampling.min_p == 0.25 and params.sampling.typical_p == 0.75
     await stack.wait_until_idle()
 
 

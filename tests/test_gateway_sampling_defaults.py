@@ -17,7 +17,7 @@ from gateway.served_model import ServedModel
 from gateway.validation import RequestFields, RequestValidator
 from gateway_fakes import fake_stack, tokenizer  # noqa: F401 (a fixture)
 
-TUNED = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+TUNED = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "typical_p": 0.95,
          "repetition_penalty": 1.05, "max_new_tokens": 512, "bos_token_id": 2}
 
 
@@ -29,8 +29,9 @@ def written(folder: Path, config: object) -> Path:
 
 def test_the_fields_tandem_honours_are_read_and_nothing_else(tmp_path) -> None:
     defaults = SamplingDefaults.of_checkpoint(written(tmp_path, TUNED))
-    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.05)
-    assert defaults.given() == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, typical_p=0.95,
+                                        repetition_penalty=1.05)
+    assert defaults.given() == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "typical_p": 0.95,
                                 "repetition_penalty": 1.05}
     # A checkpoint saved by transformers without sampling settings (the tiny test models', a converted GGUF's)
     assert SamplingDefaults.of_checkpoint(written(tmp_path / "plain", {"bos_token_id": 2, "use_cache": True})).given() == {}
@@ -38,10 +39,11 @@ def test_the_fields_tandem_honours_are_read_and_nothing_else(tmp_path) -> None:
 
 
 def test_values_a_request_could_not_send_are_left_out_and_logged(tmp_path, caplog) -> None:
-    odd = {"temperature": 3.0, "top_p": 0, "top_k": -1, "min_p": "0.1", "repetition_penalty": 0.0, "do_sample": False}
+    odd = {"temperature": 3.0, "top_p": 0, "top_k": -1, "min_p": "0.1", "typical_p": 0.0, "repetition_penalty": 0.0,
+           "do_sample": False}
     with caplog.at_level(logging.WARNING, logger="gateway.sampling_defaults"):
         assert SamplingDefaults.of_checkpoint(written(tmp_path, odd)) == SamplingDefaults()
-    assert sum("is not a value a request may send" in r.message for r in caplog.records) == 5
+    assert sum("is not a value a request may send" in r.message for r in caplog.records) == 6
     assert SamplingDefaults.of_checkpoint(written(tmp_path / "list", [1, 2])) == SamplingDefaults()
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "generation_config.json").write_text("{not json")
@@ -52,18 +54,19 @@ def test_values_a_request_could_not_send_are_left_out_and_logged(tmp_path, caplo
 
 def test_a_request_gets_the_defaults_for_what_it_leaves_out_and_keeps_what_it_sends(tokenizer) -> None:
     validator = RequestValidator(ServedModel("tiny", tokenizer, 64), 16,
-                                 SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
+                                 SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, typical_p=0.95,
                                                   repetition_penalty=1.05))
     left_out = validator.validate(RequestFields(prompt="hi"))
     assert (left_out.sampling.temperature, left_out.sampling.top_p, left_out.sampling.top_k,
-            left_out.sampling.min_p, left_out.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.05)
+            left_out.sampling.min_p, left_out.sampling.typical_p,
+            left_out.repetition_penalty) == (0.6, 0.9, 20, 0.05, 0.95, 1.05)
     sent = validator.validate(RequestFields(prompt="hi", temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                                            repetition_penalty=1.0))
+                                            typical_p=1.0, repetition_penalty=1.0))
     assert (sent.sampling.temperature, sent.sampling.top_p, sent.sampling.top_k, sent.sampling.min_p,
-            sent.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0)
+            sent.sampling.typical_p, sent.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0, 1.0)
     openai = RequestValidator(ServedModel("tiny", tokenizer, 64), 16).validate(RequestFields(prompt="hi"))
     assert (openai.sampling.temperature, openai.sampling.top_p, openai.sampling.top_k, openai.sampling.min_p,
-            openai.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+            openai.sampling.typical_p, openai.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("generation_config", ["auto", "none"])

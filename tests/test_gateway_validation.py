@@ -46,6 +46,9 @@ BAD = [
     ("top_k negative", prompt(top_k=-1), "top_k", ">= 0"),
     ("min_p above 1", prompt(min_p=1.01), "min_p", "[0, 1]"),
     ("min_p NaN", prompt(min_p=math.nan), "min_p", "[0, 1]"),
+    ("typical_p 0", prompt(typical_p=0.0), "typical_p", "(0, 1]"),
+    ("typical_p above 1", prompt(typical_p=1.5), "typical_p", "(0, 1]"),
+    ("typical_p NaN", prompt(typical_p=math.nan), "typical_p", "(0, 1]"),
     ("n 0", prompt(n=0), "n", "n must be between 1 and 16"),
     ("n 17", prompt(n=17), "n", "n must be between 1 and 16"),
     ("seed negative", prompt(seed=-1), "seed", "seed"),
@@ -106,9 +109,9 @@ def test_token_prompts_in_every_accepted_shape(validator, tokenizer):
 def test_valid_extremes_are_accepted(validator):
     request = validator.validate(
         RequestFields(prompt=[5], temperature=0.0, top_p=1.0, top_k=10**400, seed=2**64 - 1, num_speculative_tokens=64,
-                      speculation="off", max_tokens=CONTEXT - 1, n=1, model="tiny", min_p=1.0)
+                      speculation="off", max_tokens=CONTEXT - 1, n=1, model="tiny", min_p=1.0, typical_p=1e-9)
     )
-    assert request.sampling.min_p == 1.0
+    assert request.sampling.min_p == 1.0 and request.sampling.typical_p == 1e-9
     assert request.sampling.top_k == len(validator._model.tokenizer)  # clamped: no truncation
     assert request.speculation is Speculation.OFF and request.max_tokens == CONTEXT - 1
 

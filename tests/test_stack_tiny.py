@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.bad_words import bad_word_sequences
 from stack import metric_value, running_stack
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -218,6 +219,49 @@ def test_min_p_reaches_the_target_through_speculation(stack) -> None:
         assert done.choices[0].text == greedy, speculation
         mode = done.usage.model_extra["speculative_decoding"]["mode"]
         assert mode == ("speculative" if speculation == "on" else "autoregressive"), mode
+
+
+def test_typical_p_reaches_the_target_through_speculation(stack) -> None:
+    """A near-zero typical_p keeps each step's one token nearest the entropy, so a sampled request is
+    deterministic, speculating or not, whatever its seed, and not the greedy answer."""
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    greedy = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    texts = set()
+    for speculation, seed in (("on", 5), ("off", 6), ("on", 7)):
+        done = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=40, temperature=0.8, seed=seed,
+                                         extra_body={"speculation": speculation, "ignore_eos": True,
+                                                     "typical_p": 1e-9})
+        texts.add(done.choices[0].text)
+        mode = done.usage.model_extra["speculative_decoding"]["mode"]
+        assert mode == ("speculative" if speculation == "on" else "autoregressive"), mode
+    assert len(texts) == 1 and texts != {greedy}, texts
+
+
+def test_bad_words_are_never_spelled_and_speculation_keeps_the_answer(stack, reference) -> None:
+    """A word of the greedy answer, banned: the answer (gRPC's token ids, HTTP's text) never spells it
+    as the gateway tokenizes it, and is the same speculating or not."""
+    tokenizer, _ = reference
+    ids, text, _ = grpc_generate(stack, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                 speculation=common_pb2.SPECULATION_MODE_OFF, ignore_eos=True)
+
+    def spells(tokens: list[int], sequence: tuple[int, ...]) -> bool:
+        return any(tuple(tokens[i:i + len(sequence)]) == sequence for i in range(len(tokens)))
+
+    word = next(w for w in text.split() if any(spells(ids, s) for s in bad_word_sequences([w], tokenizer)))
+    banned = bad_word_sequences([word], tokenizer)
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    answers = {}
+    for speculation in ("on", "off"):
+        done, _, _ = grpc_generate(stack, prompt=PROMPTS[1], max_tokens=40, temperature=0, bad_words=[word],
+                                   speculation=getattr(common_pb2, f"SPECULATION_MODE_{speculation.upper()}"),
+                                   ignore_eos=True)
+        assert len(done) == 40 and not any(spells(done, s) for s in banned), (word, done)
+        over_http = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                              extra_body={"speculation": speculation, "ignore_eos": True,
+                                                          "bad_words": [word]})
+        answers[speculation] = (done, over_http.choices[0].text)
+    assert answers["on"] == answers["off"] and answers["on"][0] != ids
 
 
 def test_logit_bias_bans_tokens_and_speculation_keeps_the_answer(stack) -> None:

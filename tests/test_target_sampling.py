@@ -10,7 +10,8 @@ distribution of those 3 tokens (125 cells) is compared with the exact joint comp
 forward passes: chi-square goodness of fit (cells expecting < 5 pooled) with p-value > 1e-3, and
 total variation below 1.5x the mean TV of an exact sampler at that sample size. Seeds are fixed,
 so the test is deterministic. One chain case adds min_p (``target_service.min_p``) under top-p, and
-shows that the other order of the two (min_p last) would fail it.
+shows that the other order of the two (min_p last) would fail it; another cuts by typical_p
+(``target_service.typical_p``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from target_service.planner import DecodeStep
 from target_service.types import DraftBlock, SparseDist
 from target_service.engine import TargetEngine
 from target_service.session import SessionConfig
+from test_target_typical_p import typical_kept
 
 PROMPT = [1, 4, 2, 3]
 TRIALS = 2500
@@ -38,11 +40,12 @@ Q = (SparseDist((0, 1, 2), (0.5, 0.3, 0.2)), SparseDist((3, 4), (0.7, 0.3)))
 
 
 def exact_joint(model, temperature: float, top_p: float, top_k: int, min_p: float = 0.0,
-                min_p_last: bool = False) -> np.ndarray:
+                min_p_last: bool = False, typical_p: float = 0.0) -> np.ndarray:
     """P(t1, t2, t3) after PROMPT, [VOCAB, VOCAB, VOCAB], from uncached forward passes. ``min_p``
     drops the tokens below min_p times the best one's probability (after the temperature) before
     top-k and top-p, as vLLM orders them; ``min_p_last`` after them instead (Hugging Face's and
-    llama.cpp's order, to show that the order is tested)."""
+    llama.cpp's order, to show that the order is tested). ``typical_p`` keeps each row's typical set
+    (by its definition), after min_p and before top-k and top-p."""
     params = (torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]))
 
     @torch.inference_mode()
@@ -50,6 +53,8 @@ def exact_joint(model, temperature: float, top_p: float, top_k: int, min_p: floa
         logits = model(torch.tensor([PROMPT + prefix])).logits[:, -1:].double()  # [1, 1, vocab]
         if min_p and not min_p_last:
             logits = logits.masked_fill(~_min_p_kept(logits, temperature, min_p), float("-inf"))
+        if typical_p:
+            logits = logits.masked_fill(~typical_kept(logits[0], temperature, typical_p)[0][None], float("-inf"))
         probs = target_probs(logits, *params).double()  # [1, 1, vocab]
         if min_p and min_p_last:
             probs = probs * _min_p_kept(logits, temperature, min_p)
@@ -84,12 +89,12 @@ def tree_block(rng: random.Random, base_len: int, session_id: str = "s") -> Draf
 
 
 def sample_sequences(engine: TargetEngine, temperature: float, top_p: float, top_k: int, min_p: float,
-                     block=chain_block) -> np.ndarray:
+                     block=chain_block, typical_p: float = 0.0) -> np.ndarray:
     """Counts of the first 3 generated tokens over TRIALS speculative sessions, run 50 at a time
     (``run_together``): prefilled, one block verified, then decoded until each has 3."""
     rng = random.Random(0)
     configs = [SessionConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=trial,
-                             ignore_eos=True, min_p=min_p) for trial in range(TRIALS)]
+                             ignore_eos=True, min_p=min_p, typical_p=typical_p) for trial in range(TRIALS)]
 
     def one_block(session_id: str, tokens: list[int], call: int) -> DraftBlock | DecodeStep:
         return block(rng, len(PROMPT) + len(tokens), session_id) if call == 1 else decode_step(session_id, tokens, call)
@@ -146,6 +151,16 @@ def test_speculative_sampling_matches_the_target_distribution(
     # far outside the TV bound.
     naive = np.einsum("a,b,c->abc", expected.reshape((VOCAB,) * 3).sum((1, 2)), *(_dense(q) for q in Q)).ravel()
     assert 0.5 * np.abs(naive - expected).sum() > 3 * mean_tv
+
+
+def test_speculative_sampling_keeps_the_typical_set(small_vocab_target, one_thread) -> None:
+    """Chains verified against rows cut by typical_p give the cut distribution's exact joint."""
+    engine = TargetEngine(small_vocab_target)
+    expected = exact_joint(small_vocab_target.model, 1.4, 0.0, 0, typical_p=0.75).ravel()
+    counts = sample_sequences(engine, 1.4, 0.0, 0, 0.0, typical_p=0.75).ravel()
+    mean_tv = assert_matches(counts, expected)
+    uncut = exact_joint(small_vocab_target.model, 1.4, 0.0, 0).ravel()  # power: the cut is felt
+    assert 0.5 * np.abs(uncut - expected).sum() > 3 * mean_tv
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k, min_p", CASES[:2])  # min_p cuts each row as in chains

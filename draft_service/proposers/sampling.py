@@ -27,7 +27,8 @@ class TopKSampler:
 
     q is exactly sparse (zero outside the kept ids), so the target's rejection sampling is exact
     with it and it stays small on the wire. The session's own top_k / top_p / min_p narrow q further
-    when set: tokens the target can never produce would only be rejected.
+    when set: tokens the target can never produce would only be rejected. typical_p does not: its set
+    depends on the entropy of the target's whole row, which the draft's top-k cannot tell.
     """
 
     def __init__(self, sampling: SamplingParams, draft_top_k: int) -> None:

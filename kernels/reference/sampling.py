@@ -168,19 +168,34 @@ def _bucketed_row(x: torch.Tensor, top_p: float) -> torch.Tensor:
     scale = BUCKETS / float((top - x.min()).clamp(min=1e-30, max=_SPAN))
     # (top - x) * scale in one pass; a NaN logit (a broken row) goes last rather than out of range.
     gap = torch.sub(top * scale, x, alpha=scale).nan_to_num_(nan=BUCKETS - 1).clamp_(max=BUCKETS - 1)  # [vocab] >= 0
-    bucket = gap.to(torch.int32)  # [vocab]: the floor, 0 holding the top
-    mass = torch.bincount(bucket, weights=weights, minlength=BUCKETS).double()  # [BUCKETS]
-    cumulative = mass.cumsum(0)  # [BUCKETS]
-    goal = top_p * float(cumulative[-1])
-    cut = min(int(torch.searchsorted(cumulative, torch.tensor([goal], dtype=torch.float64))), BUCKETS - 1)
-    members = (bucket == cut).nonzero().squeeze(1)  # [m] ascending ids
-    members = members[x[members].sort(descending=True, stable=True).indices]  # [m] in the full sort's order
-    inside = weights[members].double()  # [m]
-    before = (float(cumulative[cut - 1]) if cut else 0.0) + inside.cumsum(0) - inside  # [m] mass before each
-    keep = bucket < cut  # [vocab]
-    keep[members[before < goal]] = True
+    keep, _ = bucketed_prefix(gap.to(torch.int32), weights, x, top_p, descending=True)  # bucket 0 holds the top
     kept = weights.masked_fill_(~keep, 0.0)  # [vocab]
     return kept.div_(kept.sum())
+
+
+def bucketed_prefix(
+    bucket: torch.Tensor,  # [vocab] int32 in [0, BUCKETS), monotone in the order: a lower bucket comes first
+    weights: torch.Tensor,  # [vocab] float32 >= 0, the tokens' masses (any total)
+    key: torch.Tensor,  # [vocab], the order inside a bucket (ties by the lower id)
+    fraction: float,  # in (0, 1]
+    descending: bool = False,  # whether a larger key comes first
+) -> tuple[torch.Tensor, int]:
+    """The smallest prefix of the tokens in ``key``'s order whose mass reaches ``fraction`` of the
+    total, found by summing the buckets' masses and sorting only the bucket where they reach it
+    (top-p here, ``target_service.typical_p`` on distances): which tokens it holds [vocab] bool, and
+    the id of its last token. Masses are float32 within a bucket and float64 across buckets."""
+    mass = torch.bincount(bucket, weights=weights, minlength=BUCKETS).double()  # [BUCKETS]
+    cumulative = mass.cumsum(0)  # [BUCKETS]
+    goal = fraction * float(cumulative[-1])
+    cut = min(int(torch.searchsorted(cumulative, torch.tensor([goal], dtype=torch.float64))), BUCKETS - 1)
+    members = (bucket == cut).nonzero().squeeze(1)  # [m] ascending ids
+    members = members[key[members].sort(descending=descending, stable=True).indices]  # [m] in the full sort's order
+    inside = weights[members].double()  # [m]
+    before = (float(cumulative[cut - 1]) if cut else 0.0) + inside.cumsum(0) - inside  # [m] mass before each
+    taken = members[before < goal]  # [t]: the bucket's tokens in the prefix
+    keep = bucket < cut  # [vocab]
+    keep[taken] = True
+    return keep, int(taken[-1]) if taken.numel() else int(members[0])
 
 
 def _sorted_truncation(

@@ -72,12 +72,14 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         top_k=message.top_k,
         seed=message.seed if message.HasField("seed") else None,
         min_p=message.min_p,
+        typical_p=message.typical_p,
     )
 
 
 def sampling_params_to_wire(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed, min_p=params.min_p
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed, min_p=params.min_p,
+        typical_p=params.typical_p,
     )
 
 
@@ -95,6 +97,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         logit_bias=tuple(sorted(message.logit_bias.items())),
         min_tokens=message.min_tokens,
         repetition_penalty=message.repetition_penalty or 1.0,  # unset on the wire: none
+        bad_words=tuple(tuple(s.token_ids) for s in message.bad_words),
     )
 
 
@@ -112,6 +115,7 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
         repetition_penalty=params.repetition_penalty,
+        bad_words=[common_pb2.TokenSequence(token_ids=s) for s in params.bad_words],
     )
 
 

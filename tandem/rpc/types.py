@@ -46,6 +46,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k truncation
     seed: int | None = None  # None: the session draws a fresh random seed
     min_p: float = 0.0  # in [0, 1]; 0: none (target_service.min_p)
+    typical_p: float = 0.0  # in [0, 1]; 0 or 1: none (target_service.typical_p)
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +107,9 @@ class SessionParams:
     # of each token the prompt or the generated text holds is divided by it where positive, multiplied
     # by it where negative. 1: none.
     repetition_penalty: float = 1.0
+    # vLLM's bad_words as token sequences (each 1..MAX_BAD_WORD_TOKENS ids, at most MAX_BAD_WORDS):
+    # where the generated text ends with all of a sequence but its last token, that token is masked. (): none.
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
@@ -114,6 +118,8 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 MAX_GRAMMAR_CHARS = 65536
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 MAX_REPETITION_PENALTY = 2.0  # a repetition penalty is in (0, MAX_REPETITION_PENALTY]
+MAX_BAD_WORDS = 1024  # token sequences a session may ban (a word is one or two of them: gateway.bad_words)
+MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 MAX_PREDICTION_TOKENS = 65536  # the longest predicted output a draft copies from (an answer longer is not asked for)
 

@@ -41,21 +41,23 @@ SPECULATION_MODE_ON: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p", "typical_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     min_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+    typical_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ...) -> None: ...
 
 class SessionParams(_message.Message):
-    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "continued_tokens", "logit_bias", "min_tokens", "repetition_penalty")
+    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "continued_tokens", "logit_bias", "min_tokens", "repetition_penalty", "bad_words")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class SessionParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     max_new_tokens: int
     ignore_eos: bool
@@ -87,7 +90,14 @@ class SessionParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
     repetition_penalty: float
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., continued_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., continued_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("kind", "spec")
