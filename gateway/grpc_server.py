@@ -65,6 +65,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
         min_tokens=request.min_tokens,
         truncate_prompt_tokens=(
             request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None

@@ -34,10 +34,13 @@ class Output:
         self._max_tokens = request.max_tokens
         self._metrics = metrics
         self._completion: list[int] = []
-        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_token_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_token_ids,
+                                                   skip_special_tokens=request.skip_special_tokens)
         self._stop = StopStringMatcher(request.stop, include=request.include_stop_str_in_output)
-        # A stop token's text is not the answer's (vLLM's rule; special tokens such as <end_of_turn> have none).
-        self._silent_stop_ids = frozenset(() if request.include_stop_str_in_output else request.stop_token_ids)
+        # The text of the token that ended the answer (a stop token id, or the model's end-of-sequence
+        # token) is not the answer's, as vLLM has it, unless include_stop_str_in_output; special tokens'
+        # text shows only where skip_special_tokens is false.
+        self._silent_stop = not request.include_stop_str_in_output
         self._min_tokens = request.min_tokens  # the answer's first tokens' text is not looked at for stop strings
         self._stats = SpeculationStats()
         self._wants_logprobs = request.top_logprobs is not None
@@ -76,7 +79,7 @@ class Output:
         last = len(batch.token_ids) - 1
         for i, token in enumerate(batch.token_ids):
             self._completion.append(token)
-            stopped_on = i == last and batch.finish_reason is FinishReason.STOP and token in self._silent_stop_ids
+            stopped_on = i == last and batch.finish_reason is FinishReason.STOP and self._silent_stop
             piece = "" if stopped_on else self._detokenizer.push(token)
             text = piece if len(self._completion) <= self._min_tokens else self._stop.push(piece)
             deltas.append(TextDelta(text, (token,), logprobs[i : i + 1]))

@@ -123,6 +123,9 @@ class _GenerationBody(_StrictBody):
     bad_words: list[str] | None = Field(None, description="words the answer never spells (vLLM's)")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (vLLM's extension)")
+    skip_special_tokens: bool = Field(
+        True, description="leave special tokens' text out of the answer (vLLM's extension; false keeps it)"
+    )
     include_stop_str_in_output: bool = Field(
         False, description="return the stop string or stop token that ended the answer (vLLM's extension)"
     )
@@ -169,6 +172,7 @@ class _GenerationBody(_StrictBody):
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             speculation=self.speculation,

@@ -64,6 +64,9 @@ class GenerationRequest:
     prediction_token_ids: tuple[int, ...] = ()  # a predicted output the draft copies from (draft_service.prediction)
     # The text of what stopped the answer (a stop string, a stop token that has text) is returned with it.
     include_stop_str_in_output: bool = False
+    # vLLM's skip_special_tokens: special tokens' text (<start_of_turn>, <eos>, ...) is left out of the
+    # answer; False keeps it, but for the token that ended the answer (gateway.output).
+    skip_special_tokens: bool = True
     # vLLM's min_tokens: the answer's first tokens are never EOS or a stop token id (the target masks
     # them), and stop strings are looked for only in the text after them.
     min_tokens: int = 0

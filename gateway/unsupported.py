@@ -38,6 +38,7 @@ def _text_only(value: Any) -> bool:
 
 # Read on the chat and completions routes (gateway.structured_fields); refused on /v1/responses.
 _CHAT_ONLY = "it shapes how messages are rendered; /v1/chat/completions takes it"
+_TEXT_ROUTES = "/v1/chat/completions and /v1/completions take it"
 _STRUCTURED = "on /v1/responses use text.format (json_schema, regex or grammar; see docs/structured-output.md)"
 _SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, typical_p, logit_bias, bad_words and the "
              "presence, frequency and repetition penalties only")
@@ -62,6 +63,12 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "use_beam_search": (_equal_to(False), "beam search is not supported"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported; completions with echo and "
                                              "logprobs score the prompt's tokens"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported; a regex or grammar "
+                                               "response_format limits what the answer may be"),
+    "return_tokens_as_token_ids": (_equal_to(False), "log-probabilities name their tokens by text; /tokenize gives "
+                                                     "the ids"),
+    # read on the chat and completions routes (gateway.protocol); refused where not read
+    "skip_special_tokens": (_equal_to(True), _TEXT_ROUTES),
     # other servers' ways to ask for structured output, and their chat-template controls
     "guided_json": (lambda v: v is None, _STRUCTURED),
     "guided_regex": (lambda v: v is None, _STRUCTURED),

@@ -63,6 +63,7 @@ class RequestFields:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the answer besides EOS (vLLM's extension)
     include_stop_str_in_output: bool = False  # the matched stop string or stop token's text is returned
+    skip_special_tokens: bool = True  # special tokens' text is left out of the answer (vLLM's extension)
     min_tokens: int | None = None  # the answer's first tokens are never a stop (vLLM's extension)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last tokens (vLLM's extension)
     speculation: str | None = None
@@ -146,6 +147,7 @@ class RequestValidator:
             stop=stop,
             stop_token_ids=stop_token_ids,
             include_stop_str_in_output=fields.include_stop_str_in_output,
+            skip_special_tokens=fields.skip_special_tokens,
             min_tokens=min_tokens,
             ignore_eos=fields.ignore_eos,
             speculation=speculation,

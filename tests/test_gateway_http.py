@@ -298,6 +298,7 @@ BAD_HTTP = [
     ("stop_token_ids negative", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("stop_token_ids too many", {"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("stop_token_ids not ids", {"prompt": "hi", "stop_token_ids": ["</s>"]}, "stop_token_ids"),
+    ("skip_special_tokens not a bool", {"prompt": "hi", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("include_stop_str_in_output not a bool", {"prompt": "hi", "include_stop_str_in_output": 1},
      "include_stop_str_in_output"),
     ("min_tokens past max_tokens", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
@@ -392,6 +393,26 @@ async def test_neutral_values_of_unsupported_features_are_accepted(stack):
     response = await post(stack, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+    await stack.wait_until_idle()
+
+
+async def test_skip_special_tokens_false_shows_special_tokens_but_not_the_one_that_ended_the_answer(stack, tokenizer):
+    """vLLM's skip_special_tokens: false keeps special tokens' text; the token that ended the answer
+    (here the model's end-of-sequence token) shows only with include_stop_str_in_output."""
+    eos = tokenizer.decode([tokenizer.eos_token_id])
+    assert eos and tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=True) == ""
+    for mode in ("on", "off"):
+        for skip, include, shown in ((True, True, ""), (False, False, ""), (False, True, eos)):
+            body = {"prompt": "hi", "max_tokens": 100, "speculation": mode, "skip_special_tokens": skip,
+                    "include_stop_str_in_output": include}
+            answer = (await post(stack, "/v1/completions", body)).json()
+            assert answer["choices"][0]["finish_reason"] == "stop", answer
+            assert answer["choices"][0]["text"] == SCRIPT_TEXT + shown, (skip, include)
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=100, skip_special_tokens=False,
+                                                            include_stop_str_in_output=True)
+        chunks = [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+        assert "".join(c.text for c in chunks) == SCRIPT_TEXT + eos
     await stack.wait_until_idle()
 
 

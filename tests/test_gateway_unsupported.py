@@ -35,6 +35,9 @@ ASKS_AND_NEUTRAL = {
     "xtc_probability": (0.5, 0),
     "use_beam_search": (True, False),
     "prompt_logprobs": (1, None),
+    "allowed_token_ids": ([1, 2], None),
+    "return_tokens_as_token_ids": (True, False),
+    "skip_special_tokens": (False, True),
     "guided_json": ({"type": "object"}, None),
     "guided_regex": ("a+", None),
     "guided_choice": (["yes", "no"], None),
@@ -49,6 +52,8 @@ ASKS_AND_NEUTRAL = {
 }
 # Read on chat completions (test_gateway_chat_template.py), refused elsewhere.
 CHAT_FIELDS = {"continue_final_message", "add_generation_prompt", "chat_template_kwargs"}
+# Read on chat completions and completions (test_gateway_http.py), refused on responses.
+TEXT_FIELDS = {"skip_special_tokens"}
 # Fields that describe the caller or hint at effort: nothing a client could check changes.
 IGNORED = {"user": "bob", "metadata": {"team": "a"}, "store": False, "service_tier": "auto",
            "reasoning_effort": "low", "verbosity": "low", "prompt_cache_key": "k", "safety_identifier": "s",
@@ -64,7 +69,7 @@ ROUTES = {"chat": (ChatCompletionRequest, CHAT), "completions": (CompletionReque
 # Other servers' structured-output fields are read on chat and completions (test_gateway_structured_fields.py).
 CASES = [pytest.param(*ROUTES[route], field, id=f"{route}-{field}") for field in sorted(ASKS_AND_NEUTRAL)
          for route in ROUTES if (route == "responses" or field not in STRUCTURED_FIELDS)
-         and (route != "chat" or field not in CHAT_FIELDS)]
+         and (route != "chat" or field not in CHAT_FIELDS) and (route == "responses" or field not in TEXT_FIELDS)]
 
 
 @pytest.mark.parametrize("request_type, base, field", CASES)
