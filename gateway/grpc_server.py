@@ -61,6 +61,7 @@ def fields_from_proto(request: gateway_pb2.GatewayServiceGenerateRequest) -> Req
         min_p=request.min_p if request.HasField("min_p") else None,
         typical_p=request.typical_p if request.HasField("typical_p") else None,
         bad_words=tuple(request.bad_words),
+        allowed_token_ids=tuple(request.allowed_token_ids) or None,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),

@@ -121,6 +121,7 @@ class _GenerationBody(_StrictBody):
         None, description="keep the tokens nearest the entropy, up to this mass (locally typical sampling; 1 = all)"
     )
     bad_words: list[str] | None = Field(None, description="words the answer never spells (vLLM's)")
+    allowed_token_ids: list[int] | None = Field(None, description="the only token ids the answer is made of (vLLM's)")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end the answer (vLLM's extension)")
     skip_special_tokens: bool = Field(
@@ -167,6 +168,7 @@ class _GenerationBody(_StrictBody):
             min_p=self.min_p,
             typical_p=self.typical_p,
             bad_words=tuple(self.bad_words or ()),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             seed=self.seed,
             n=self.n,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),

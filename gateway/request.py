@@ -59,7 +59,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF transformers', vLLM's and TGI's (target_service.penalties)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs (target_service.logit_bias)
-    bad_words: tuple[tuple[int, ...], ...] = ()  # banned token sequences (gateway.bad_words, target_service.bad_words)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # banned token sequences (gateway.token_masks, target_service.bad_words)
+    allowed_token_ids: tuple[int, ...] = ()  # the only tokens generated (target_service.allowed_tokens); (): all
     tool_calling: ToolCalling | None = None  # chat: the answer is tool calls (gateway.tools)
     prediction_token_ids: tuple[int, ...] = ()  # a predicted output the draft copies from (draft_service.prediction)
     # The text of what stopped the answer (a stop string, a stop token that has text) is returned with it.

@@ -112,6 +112,7 @@ class ResponsesRequest(_Body):
     min_p: float | None = None
     typical_p: float | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stream_smoothing: str | None = None
 
@@ -141,6 +142,7 @@ class ResponsesRequest(_Body):
             min_p=self.min_p,
             typical_p=self.typical_p,
             bad_words=tuple(self.bad_words or ()),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             seed=self.seed,
             speculation=self.speculation,
             num_speculative_tokens=self.num_speculative_tokens,

@@ -97,6 +97,7 @@ class TargetSession:
             repetition_penalty=request.repetition_penalty,
             logit_bias=request.logit_bias,
             bad_words=request.bad_words,
+            allowed_token_ids=request.allowed_token_ids,
             # A session moved or resynced goes on from the text the client has: its grammar,
             # penalties and bad words count that text.
             continued_tokens=self.prompt_len - len(request.prompt_token_ids),

@@ -40,8 +40,8 @@ def _text_only(value: Any) -> bool:
 _CHAT_ONLY = "it shapes how messages are rendered; /v1/chat/completions takes it"
 _TEXT_ROUTES = "/v1/chat/completions and /v1/completions take it"
 _STRUCTURED = "on /v1/responses use text.format (json_schema, regex or grammar; see docs/structured-output.md)"
-_SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, typical_p, logit_bias, bad_words and the "
-             "presence, frequency and repetition penalties only")
+_SAMPLING = ("this server samples with temperature, top_p, top_k, min_p, typical_p, logit_bias, bad_words, "
+             "allowed_token_ids and the presence, frequency and repetition penalties only")
 
 # field: (is its value neutral, what to tell the client)
 REFUSED: dict[str, tuple[Neutral, str]] = {
@@ -63,8 +63,6 @@ REFUSED: dict[str, tuple[Neutral, str]] = {
     "use_beam_search": (_equal_to(False), "beam search is not supported"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported; completions with echo and "
                                              "logprobs score the prompt's tokens"),
-    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported; a regex or grammar "
-                                               "response_format limits what the answer may be"),
     "return_tokens_as_token_ids": (_equal_to(False), "log-probabilities name their tokens by text; /tokenize gives "
                                                      "the ids"),
     # read on the chat and completions routes (gateway.protocol); refused where not read

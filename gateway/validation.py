@@ -12,13 +12,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from gateway.bad_words import bad_word_sequences
 from gateway.chat_template import ChatMessage, ChatTemplateError
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.request import GenerationRequest, SamplingParams, Smoothing, Speculation
 from gateway.sampling_defaults import RANGES, SamplingDefaults, in_range
 from gateway.served_model import ServedModel
 from gateway.template_options import TemplateOptions
+from gateway.token_masks import allowed_token_ids, bad_word_sequences
 from gateway.tools import ToolCalling, rendered
 from tandem.rpc.types import (
     MAX_GRAMMAR_CHARS,
@@ -79,7 +79,8 @@ class RequestFields:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # HF transformers', vLLM's and TGI's; None: 1 (none)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
-    bad_words: tuple[str, ...] = ()  # words the answer never spells (vLLM's; gateway.bad_words)
+    bad_words: tuple[str, ...] = ()  # words the answer never spells (vLLM's; gateway.token_masks)
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens the answer is made of (vLLM's); None: all
     tool_calling: ToolCalling | None = None  # chat: the tool calls asked for (gateway.tools)
     prediction: str | None = None  # text the answer is expected to repeat (OpenAI's predicted output)
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how the messages are rendered
@@ -163,6 +164,9 @@ class RequestValidator:
             repetition_penalty=self._sampled(fields, "repetition_penalty", 1.0),
             logit_bias=self._logit_bias(fields.logit_bias),
             bad_words=bad_word_sequences(fields.bad_words, self._model.tokenizer),
+            allowed_token_ids=allowed_token_ids(fields.allowed_token_ids, self._model.vocab_size, {
+                "structured output or tools": fields.grammar is not None or fields.tool_calling is not None,
+                "bad_words": bool(fields.bad_words), "min_tokens": bool(fields.min_tokens)}),
             tool_calling=fields.tool_calling,
             prediction_token_ids=self._prediction(fields.prediction),
         )

@@ -1,6 +1,6 @@
 """vLLM's ``bad_words``: token sequences the generated text never completes.
 
-The gateway turns each word into the token sequences that spell it (``gateway.bad_words``). For a
+The gateway turns each word into the token sequences that spell it (``gateway.token_masks``). For a
 sequence ``[t1, ..., tn]``, a row whose generated text ends with ``t1 .. t(n-1)`` has ``tn``'s logit
 at -inf; a one-token sequence is banned on every row. Only the generated text counts (a session
 continued from an earlier one counts that one's output too), as in vLLM. The mask comes first among

@@ -256,7 +256,8 @@ class Planner:
         self, session: Session, scores: RowScores, drafts: Sequence[int] = (), parents: Sequence[int] | None = None
     ) -> RowScores:
         """The scores a session's tokens are taken from: its logits without stop tokens where
-        ``min_tokens`` holds them back (``target_service.min_tokens``) and without the last tokens of
+        ``min_tokens`` holds them back (``target_service.min_tokens``), only its allowed tokens
+        (``target_service.allowed_tokens``), without the last tokens of
         its bad words where the text before them is there (``target_service.bad_words``), biased and penalised at each
         row (``target_service.logit_bias``, ``target_service.penalties``), with what its grammar
         forbids there masked out (``target_service.grammar``) and then what min_p and typical_p drop
@@ -269,6 +270,8 @@ class Planner:
         if session.holds_stops:
             stops = set(session.config.stop_token_ids) | (set() if session.config.ignore_eos else set(self._eos))
             logits = min_tokens.masked(logits, session.generated, session.config.min_tokens, stops, parents)
+        if session.allowed is not None:
+            logits = session.allowed.masked(logits)  # [rows, vocab]
         if session.bad_words is not None:
             output = session.tokens[session.prompt_len - session.config.continued_tokens:]  # the generated text
             logits = session.bad_words.masked(logits, output, drafts, parents)  # [rows, vocab]

@@ -27,6 +27,7 @@ from target_service.prefix_cache import MIN_TOKENS, PrefixCache, common_prefix
 
 if TYPE_CHECKING:
     from target_service.grammar import Constraint
+    from target_service.allowed_tokens import AllowedTokens
     from target_service.bad_words import BadWords
     from target_service.logit_bias import LogitBias
     from target_service.penalties import Penalties
@@ -56,6 +57,7 @@ class SessionConfig:
     min_tokens: int = 0  # the session's first tokens that are never stop tokens (target_service.min_tokens)
     repetition_penalty: float = 1.0  # (target_service.penalties)
     bad_words: tuple[tuple[int, ...], ...] = ()  # banned token sequences (target_service.bad_words)
+    allowed_token_ids: tuple[int, ...] = ()  # (): all (target_service.allowed_tokens)
 
     @property
     def penalized(self) -> bool:
@@ -75,7 +77,7 @@ class SessionConfig:
     def reshapes_logits(self) -> bool:
         """Whether tokens are chosen from logits other than the model's: biased, penalised or masked."""
         return (bool(self.logit_bias) or self.penalized or self.grammar is not None or self.cuts_by_min_p
-                or self.cuts_by_typical_p or bool(self.bad_words))
+                or self.cuts_by_typical_p or bool(self.bad_words) or bool(self.allowed_token_ids))
 
     @classmethod
     def of(cls, params: SessionParams, return_hidden_states: bool = False) -> SessionConfig:
@@ -100,6 +102,7 @@ class SessionConfig:
             min_tokens=params.min_tokens,
             repetition_penalty=params.repetition_penalty,
             bad_words=params.bad_words,
+            allowed_token_ids=params.allowed_token_ids,
         )
 
 
@@ -139,6 +142,8 @@ class Session:
     logit_bias: LogitBias | None = field(default=None, repr=False)
     # The banned sequences, where the config has them (target_service.bad_words).
     bad_words: BadWords | None = field(default=None, repr=False)
+    # The only tokens it may generate, where the config names them (target_service.allowed_tokens).
+    allowed: AllowedTokens | None = field(default=None, repr=False)
 
     @property
     def committed_len(self) -> int:

@@ -56,6 +56,20 @@ def check_bad_words(config: SessionConfig, vocab_size: int) -> None:
         raise InvalidArgument("bad_words cannot be combined with a grammar: the grammar may allow only a banned token")
 
 
+def check_allowed_tokens(config: SessionConfig, vocab_size: int) -> None:
+    """Ids in the vocabulary, and none of the masks that could leave a row with no token at all: a
+    grammar (it may need a token that is not allowed), bad words and min_tokens (they may mask every
+    allowed token)."""
+    check_token_ids("allowed_token_ids", config.allowed_token_ids, vocab_size)
+    if not config.allowed_token_ids:
+        return
+    for name, given in (("a grammar", config.grammar is not None), ("bad_words", bool(config.bad_words)),
+                        ("min_tokens", config.min_tokens > 0)):
+        if given:
+            raise InvalidArgument(f"allowed_token_ids cannot be combined with {name}: together they may leave no "
+                                  "token to choose")
+
+
 def check_config(config: SessionConfig, vocab_size: int) -> None:
     if config.max_new_tokens <= 0:
         raise InvalidArgument(f"max_new_tokens must be positive, got {config.max_new_tokens}")
@@ -86,6 +100,7 @@ def check_config(config: SessionConfig, vocab_size: int) -> None:
             raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
                                   f"{MAX_LOGIT_BIAS:g}], got {bias}")
     check_bad_words(config, vocab_size)
+    check_allowed_tokens(config, vocab_size)
     if config.grammar is not None and len(config.grammar.spec) > MAX_GRAMMAR_CHARS:
         raise InvalidArgument(f"grammar: its spec has {len(config.grammar.spec)} characters, more than the "
                               f"{MAX_GRAMMAR_CHARS} this server compiles")

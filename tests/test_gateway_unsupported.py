@@ -35,7 +35,6 @@ ASKS_AND_NEUTRAL = {
     "xtc_probability": (0.5, 0),
     "use_beam_search": (True, False),
     "prompt_logprobs": (1, None),
-    "allowed_token_ids": ([1, 2], None),
     "return_tokens_as_token_ids": (True, False),
     "skip_special_tokens": (False, True),
     "guided_json": ({"type": "object"}, None),

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.bad_words import bad_word_sequences
+from gateway.token_masks import bad_word_sequences
 from stack import metric_value, running_stack
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -260,6 +260,26 @@ def test_bad_words_are_never_spelled_and_speculation_keeps_the_answer(stack, ref
         over_http = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=40, temperature=0,
                                               extra_body={"speculation": speculation, "ignore_eos": True,
                                                           "bad_words": [word]})
+        answers[speculation] = (done, over_http.choices[0].text)
+    assert answers["on"] == answers["off"] and answers["on"][0] != ids
+
+
+def test_allowed_token_ids_make_the_whole_answer_speculating_or_not(stack) -> None:
+    """Every token of the answer is one of allowed_token_ids (not the end-of-sequence token: the
+    answer runs to max_tokens), over gRPC and HTTP alike, and the answer is the same speculating or not."""
+    ids, _, _ = grpc_generate(stack, prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                              speculation=common_pb2.SPECULATION_MODE_OFF, ignore_eos=True)
+    allowed = sorted(set(ids[1::3]) | {17, 40})
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+    answers = {}
+    for speculation in ("on", "off"):
+        done, _, chunks = grpc_generate(stack, prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                        allowed_token_ids=allowed, ignore_eos=False,
+                                        speculation=getattr(common_pb2, f"SPECULATION_MODE_{speculation.upper()}"))
+        assert len(done) == 30 and set(done) <= set(allowed), done
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        over_http = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                              extra_body={"speculation": speculation, "allowed_token_ids": allowed})
         answers[speculation] = (done, over_http.choices[0].text)
     assert answers["on"] == answers["off"] and answers["on"][0] != ids
 

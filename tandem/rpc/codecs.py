@@ -98,6 +98,7 @@ def session_params(message: common_pb2.SessionParams) -> SessionParams:
         min_tokens=message.min_tokens,
         repetition_penalty=message.repetition_penalty or 1.0,  # unset on the wire: none
         bad_words=tuple(tuple(s.token_ids) for s in message.bad_words),
+        allowed_token_ids=tuple(message.allowed_token_ids),
     )
 
 
@@ -116,6 +117,7 @@ def session_params_to_wire(params: SessionParams) -> common_pb2.SessionParams:
         min_tokens=params.min_tokens,
         repetition_penalty=params.repetition_penalty,
         bad_words=[common_pb2.TokenSequence(token_ids=s) for s in params.bad_words],
+        allowed_token_ids=params.allowed_token_ids,
     )
 
 

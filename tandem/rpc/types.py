@@ -110,6 +110,8 @@ class SessionParams:
     # vLLM's bad_words as token sequences (each 1..MAX_BAD_WORD_TOKENS ids, at most MAX_BAD_WORDS):
     # where the generated text ends with all of a sequence but its last token, that token is masked. (): none.
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's allowed_token_ids, in increasing order: every other token is masked. (): all tokens.
+    allowed_token_ids: tuple[int, ...] = ()
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
@@ -118,7 +120,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API allows
 MAX_GRAMMAR_CHARS = 65536
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 MAX_REPETITION_PENALTY = 2.0  # a repetition penalty is in (0, MAX_REPETITION_PENALTY]
-MAX_BAD_WORDS = 1024  # token sequences a session may ban (a word is one or two of them: gateway.bad_words)
+MAX_BAD_WORDS = 1024  # token sequences a session may ban (a word is one or two of them: gateway.token_masks)
 MAX_BAD_WORD_TOKENS = 64  # tokens in one banned sequence
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's
 MAX_PREDICTION_TOKENS = 65536  # the longest predicted output a draft copies from (an answer longer is not asked for)

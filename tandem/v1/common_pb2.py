@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\ttypical_p\x18\x06 \x01(\x02\x42\x07\n\x05_seed\"\xec\x03\n\rSessionParams\x12+\n\x08sampling\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12#\n\x07grammar\x18\x06 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10\x63ontinued_tokens\x18\t \x01(\x05\x12;\n\nlogit_bias\x18\n \x03(\x0b\x32\'.tandem.v1.SessionParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12+\n\tbad_words\x18\r \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0f\n\r_top_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"=\n\x07Grammar\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\":\n\x0cHiddenStates\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*x\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03*\x81\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x17\n\x13SPECULATION_MODE_ON\x10\x02\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\ttypical_p\x18\x06 \x01(\x02\x42\x07\n\x05_seed\"\x87\x04\n\rSessionParams\x12+\n\x08sampling\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12#\n\x07grammar\x18\x06 \x01(\x0b\x32\x12.tandem.v1.Grammar\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10\x63ontinued_tokens\x18\t \x01(\x05\x12;\n\nlogit_bias\x18\n \x03(\x0b\x32\'.tandem.v1.SessionParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12+\n\tbad_words\x18\r \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x12\x19\n\x11\x61llowed_token_ids\x18\x0e \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0f\n\r_top_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"=\n\x07Grammar\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.GrammarKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\":\n\x0cHiddenStates\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*x\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03*\x81\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x17\n\x13SPECULATION_MODE_ON\x10\x02\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SESSIONPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SESSIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=958
-  _globals['_FINISHREASON']._serialized_end=1082
-  _globals['_GRAMMARKIND']._serialized_start=1084
-  _globals['_GRAMMARKIND']._serialized_end=1204
-  _globals['_SPECULATIONMODE']._serialized_start=1207
-  _globals['_SPECULATIONMODE']._serialized_end=1336
+  _globals['_FINISHREASON']._serialized_start=985
+  _globals['_FINISHREASON']._serialized_end=1109
+  _globals['_GRAMMARKIND']._serialized_start=1111
+  _globals['_GRAMMARKIND']._serialized_end=1231
+  _globals['_SPECULATIONMODE']._serialized_start=1234
+  _globals['_SPECULATIONMODE']._serialized_end=1363
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=167
   _globals['_SESSIONPARAMS']._serialized_start=170
-  _globals['_SESSIONPARAMS']._serialized_end=662
-  _globals['_SESSIONPARAMS_LOGITBIASENTRY']._serialized_start=597
-  _globals['_SESSIONPARAMS_LOGITBIASENTRY']._serialized_end=645
-  _globals['_TOKENSEQUENCE']._serialized_start=664
-  _globals['_TOKENSEQUENCE']._serialized_end=698
-  _globals['_GRAMMAR']._serialized_start=700
-  _globals['_GRAMMAR']._serialized_end=761
-  _globals['_TOKENLOGPROBS']._serialized_start=763
-  _globals['_TOKENLOGPROBS']._serialized_end=840
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=842
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=896
-  _globals['_HIDDENSTATES']._serialized_start=898
-  _globals['_HIDDENSTATES']._serialized_end=956
+  _globals['_SESSIONPARAMS']._serialized_end=689
+  _globals['_SESSIONPARAMS_LOGITBIASENTRY']._serialized_start=624
+  _globals['_SESSIONPARAMS_LOGITBIASENTRY']._serialized_end=672
+  _globals['_TOKENSEQUENCE']._serialized_start=691
+  _globals['_TOKENSEQUENCE']._serialized_end=725
+  _globals['_GRAMMAR']._serialized_start=727
+  _globals['_GRAMMAR']._serialized_end=788
+  _globals['_TOKENLOGPROBS']._serialized_start=790
+  _globals['_TOKENLOGPROBS']._serialized_end=867
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=869
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=923
+  _globals['_HIDDENSTATES']._serialized_start=925
+  _globals['_HIDDENSTATES']._serialized_end=983
 # @@protoc_insertion_point(module_scope)

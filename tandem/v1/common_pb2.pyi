@@ -57,7 +57,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ...) -> None: ...
 
 class SessionParams(_message.Message):
-    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "continued_tokens", "logit_bias", "min_tokens", "repetition_penalty", "bad_words")
+    __slots__ = ("sampling", "max_new_tokens", "ignore_eos", "stop_token_ids", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "continued_tokens", "logit_bias", "min_tokens", "repetition_penalty", "bad_words", "allowed_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class SessionParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     sampling: SamplingParams
     max_new_tokens: int
     ignore_eos: bool
@@ -91,7 +92,8 @@ class SessionParams(_message.Message):
     min_tokens: int
     repetition_penalty: float
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., continued_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., continued_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)

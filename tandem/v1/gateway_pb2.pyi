@@ -27,7 +27,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GatewayServiceGenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculation", "num_speculative_tokens", "ignore_eos", "stream_smoothing", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "logit_bias", "prediction", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "truncate_prompt_tokens", "min_p", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p", "bad_words", "skip_special_tokens")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculation", "num_speculative_tokens", "ignore_eos", "stream_smoothing", "top_logprobs", "grammar", "presence_penalty", "frequency_penalty", "logit_bias", "prediction", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "truncate_prompt_tokens", "min_p", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p", "bad_words", "skip_special_tokens", "allowed_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GatewayServiceGenerateRequest(_message.Message):
     TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -99,7 +100,8 @@ class GatewayServiceGenerateRequest(_message.Message):
     typical_p: float
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     skip_special_tokens: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationMode, str]] = ..., num_speculative_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stream_smoothing: _Optional[_Union[StreamSmoothing, str]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prediction: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., truncate_prompt_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., typical_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationMode, str]] = ..., num_speculative_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stream_smoothing: _Optional[_Union[StreamSmoothing, str]] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[_common_pb2.Grammar, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prediction: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., truncate_prompt_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., typical_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculativeDecodingStats(_message.Message):
     __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mode", "fallbacks", "fallback_reason", "empty_rounds")

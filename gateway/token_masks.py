@@ -1,6 +1,8 @@
-"""vLLM's ``bad_words``: words the answer never spells, as the token sequences the target bans.
+"""The token masks a request asks for, checked and turned into what the target masks: vLLM's
+``bad_words`` (words the answer never spells, as token sequences) and ``allowed_token_ids`` (the only
+tokens the answer is made of; ``target_service.allowed_tokens``).
 
-A word is tokenized as it would open the text (no space before it) and, where the tokenizer spells
+A bad word is tokenized as it would open the text (no space before it) and, where the tokenizer spells
 it otherwise after a space (another first token, the same number of tokens), as it would follow a
 space too: vLLM's rule, so that a word is banned both at the start and in the middle of the answer.
 The target then masks a sequence's last token wherever the generated text ends with the rest of it
@@ -10,7 +12,7 @@ same letters split into other tokens (a longer word that contains it, another ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -40,4 +42,23 @@ def bad_word_sequences(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int,
     return tuple(dict.fromkeys(sequences))  # the same spelling twice is banned once
 
 
-__all__ = ["bad_word_sequences"]
+def allowed_token_ids(ids: Sequence[int] | None, vocab_size: int, others: Mapping[str, bool]) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids in increasing order (none for None): a non-empty list of ids in the
+    vocabulary, refused with what the request also asks for that could mask every one of them on some
+    row (``others``: such a field's name and whether the request asks for it)."""
+    if ids is None:
+        return ()
+    if not ids:
+        raise InvalidRequest("allowed_token_ids must name at least one token id", param="allowed_token_ids")
+    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise InvalidRequest(f"allowed_token_ids: token id {outside} is outside the vocabulary [0, {vocab_size})",
+                             param="allowed_token_ids")
+    for name, given in others.items():
+        if given:
+            raise InvalidRequest(f"allowed_token_ids cannot be combined with {name}: together they may leave no "
+                                 "token to choose", param="allowed_token_ids")
+    return tuple(sorted(set(ids)))
+
+
+__all__ = ["allowed_token_ids", "bad_word_sequences"]

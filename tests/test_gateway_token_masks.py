@@ -1,7 +1,7 @@
-"""vLLM's bad_words at the gateway (gateway.bad_words): the token sequences a word is banned as (its
-spelling at the start and after a space), refusals by name, and the sequences reaching the target
-from HTTP (chat, completions, responses) and gRPC. What the target does with them:
-test_target_bad_words; through the whole stack: test_stack_tiny."""
+"""vLLM's bad_words and allowed_token_ids at the gateway (gateway.token_masks, gateway.validation): the
+token sequences a word is banned as (its spelling at the start and after a space), refusals by name,
+and both reaching the target from HTTP (chat, completions, responses) and gRPC. What the target does
+with them: test_target_bad_words, test_target_allowed_tokens; through the whole stack: test_stack_tiny."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.bad_words import bad_word_sequences
+from gateway.token_masks import bad_word_sequences
 from gateway.errors import InvalidRequest
 from tandem.rpc.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
@@ -74,4 +74,29 @@ async def test_bad_words_reach_the_target_from_http_and_grpc_and_refusals_are_40
             blank = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, bad_words=[""])
             [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(blank)]
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "bad_words" in refused.value.details()
+    await stack.wait_until_idle()
+
+
+async def test_allowed_token_ids_reach_the_target_sorted_and_bad_ones_are_400s(stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as client:
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                           ("/v1/responses", {"input": "hi", "max_output_tokens": 2})):
+            answer = await client.post(path, json={**body, "allowed_token_ids": [9, 5, 9]})
+            assert answer.status_code == 200, answer.text
+            assert list(stack.model.prefilled[-1].allowed_token_ids) == [5, 9], path
+        await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert list(stack.model.prefilled[-1].allowed_token_ids) == []
+        vocab = len(stack.gateway.core.model.tokenizer)
+        for extra in ({"allowed_token_ids": []}, {"allowed_token_ids": [vocab]}, {"allowed_token_ids": [-1]},
+                      {"allowed_token_ids": [5], "bad_words": ["and"]}, {"allowed_token_ids": [5], "min_tokens": 1},
+                      {"allowed_token_ids": [5], "response_format": {"type": "json_object"}},
+                      {"allowed_token_ids": "5"}):
+            refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+            assert refused.status_code == 400, (extra, refused.text)
+            assert refused.json()["error"]["param"] == "allowed_token_ids", (extra, refused.text)
+    async with grpc.aio.insecure_channel(stack.grpc_address) as channel:
+        request = gateway_pb2.GatewayServiceGenerateRequest(prompt="hi", max_tokens=2, allowed_token_ids=[7, 3])
+        [c async for c in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request)]
+        assert list(stack.model.prefilled[-1].allowed_token_ids) == [3, 7]
     await stack.wait_until_idle()
