@@ -1,5 +1,6 @@
 """min_p in the target (target_service.min_p): the cut against its definition over probabilities,
-greedy sessions untouched (they keep the greedy head), bad values refused, the field over the wire.
+greedy sessions untouched (they keep the greedy head), bad values refused, the field over the wire
+(typical_p's too).
 Speculation keeping the cut distribution is tested with the other samplers (test_target_sampling)."""
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def test_greedy_answers_ignore_min_p_and_sampled_ones_never_take_a_cut_token(tin
         assert speculate(engine, prompt, alone, f"sp{seed}", random.Random(seed), guide)[:12] == plain
 
 
-def test_min_p_is_refused_outside_zero_to_one_and_crosses_the_wire(tiny_dir) -> None:
+@pytest.mark.parametrize("name", ["min_p", "typical_p"])  # typical_p: test_target_typical_p
+def test_a_cut_is_refused_outside_zero_to_one_and_crosses_the_wire(tiny_dir, name: str) -> None:
     engine = TargetEngine(load_model(str(tiny_dir), device="cpu", dtype="float32"))
     for value in (-0.1, 1.5, float("nan")):
-        with pytest.raises(InvalidArgument, match=r"min_p must be in \[0, 1\]"):
-            engine.prefill("x", prompt_ids(1), SessionConfig(max_new_tokens=4, temperature=1.0, min_p=value))
-    params = SessionParams(SamplingParams(temperature=0.75, min_p=0.125), 4)  # both exact in float32
+        with pytest.raises(InvalidArgument, match=rf"{name} must be in \[0, 1\]"):
+            engine.prefill("x", prompt_ids(1), SessionConfig(max_new_tokens=4, temperature=1.0, **{name: value}))
+    params = SessionParams(SamplingParams(temperature=0.75, **{name: 0.125}), 4)  # both exact in float32
     assert codecs.session_params(codecs.session_params_to_wire(params)) == params
-    assert wire.session_config(codecs.session_params_to_wire(params), False).min_p == 0.125
+    assert getattr(wire.session_config(codecs.session_params_to_wire(params), False), name) == 0.125

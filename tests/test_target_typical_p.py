@@ -1,7 +1,7 @@
 """typical_p in the target (target_service.typical_p): the cut against its definition (sorted, in
 float64) and against Hugging Face's warper, masked tokens and ties, greedy sessions untouched, a
-near-zero typical_p's one token through speculation, bad values refused, the field over the wire.
-Speculation keeping the cut distribution is tested with the other samplers (test_target_sampling)."""
+near-zero typical_p's one token through speculation. Bad values and the wire: test_target_min_p;
+speculation keeping the cut distribution: with the other samplers (test_target_sampling)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,8 @@ import torch
 from transformers.generation.logits_process import TypicalLogitsWarper
 
 from tandem.models import load_model
-from tandem.rpc import codecs
-from tandem.rpc.types import SamplingParams, SessionParams
-from target_service import typical_p, wire
+from target_service import typical_p
 from target_service.engine import TargetEngine
-from target_service.errors import InvalidArgument
 from target_service.session import SessionConfig
 from test_target_engine import _prompt as prompt_ids
 from test_target_grammar import decode, speculate
@@ -112,13 +109,3 @@ def test_a_near_zero_typical_p_samples_the_most_typical_token_decoded_or_verifie
     for seed in range(2):
         guide = (wanted, greedy)[seed]  # drafts that follow the answer, then ones that do not
         assert speculate(engine, prompt, one, f"sp{seed}", random.Random(seed), guide)[:10] == wanted
-
-
-def test_typical_p_is_refused_outside_zero_to_one_and_crosses_the_wire(tiny_dir) -> None:
-    engine = TargetEngine(load_model(str(tiny_dir), device="cpu", dtype="float32"))
-    for value in (-0.1, 1.5, float("nan")):
-        with pytest.raises(InvalidArgument, match=r"typical_p must be in \[0, 1\]"):
-            engine.prefill("x", prompt_ids(1), SessionConfig(max_new_tokens=4, temperature=1.0, typical_p=value))
-    params = SessionParams(SamplingParams(temperature=0.75, typical_p=0.375), 4)  # both exact in float32
-    assert codecs.session_params(codecs.session_params_to_wire(params)) == params
-    assert wire.session_config(codecs.session_params_to_wire(params), False).typical_p == 0.375
