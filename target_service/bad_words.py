@@ -3,8 +3,8 @@
 The gateway turns each word into the token sequences that spell it (``gateway.token_masks``). For a
 sequence ``[t1, ..., tn]``, a row whose generated text ends with ``t1 .. t(n-1)`` has ``tn``'s logit
 at -inf; a one-token sequence is banned on every row. Only the generated text counts (a session
-continued from an earlier one counts that one's output too), as in vLLM. The mask comes first among
-the session's reshapings (with min_tokens'), before its bias, penalties and grammar.
+continued from an earlier one counts that one's output too), as in vLLM. The mask comes after
+min_tokens' and the allowed tokens' masks, before the session's bias, penalties and grammar.
 
 The generated text of a row is the session's generated tokens, then, for row i + 1 of a block, the
 drafts on draft i's path: so each row of a chain or token tree is scored as the one-token step at its

@@ -38,10 +38,10 @@ from tandem.models.tokenizer_facts import TokenizerLoader, tokenizer_facts
 from tandem.pass_costs import PassCosts
 from tandem.telemetry.metrics import Metrics
 from target_service import kv_cache, model_info
-from target_service.errors import InvalidArgument
-from target_service.grammar import Grammars
 from target_service.allowed_tokens import AllowedTokens
 from target_service.bad_words import BadWords
+from target_service.errors import InvalidArgument
+from target_service.grammar import Grammars
 from target_service.logit_bias import LogitBias
 from target_service.penalties import Penalties
 from target_service.planner import Answer, DecodeStep, Planned, Planner, PrefillJob
@@ -218,8 +218,7 @@ class TargetEngine:
             penalties=penalties,
             logit_bias=LogitBias(config.logit_bias, self.device) if config.logit_bias else None,
             bad_words=BadWords(config.bad_words, self.device) if config.bad_words else None,
-            allowed=AllowedTokens(config.allowed_token_ids, self.vocab_size, self.device)
-            if config.allowed_token_ids else None,
+            allowed=AllowedTokens(config.allowed_token_ids, self.device) if config.allowed_token_ids else None,
         )
         if prompt_logprobs:
             chunk = min(self.prefill_chunk_tokens or len(prompt_token_ids), PROMPT_LOGPROBS_CHUNK)

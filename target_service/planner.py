@@ -257,13 +257,12 @@ class Planner:
     ) -> RowScores:
         """The scores a session's tokens are taken from: its logits without stop tokens where
         ``min_tokens`` holds them back (``target_service.min_tokens``), only its allowed tokens
-        (``target_service.allowed_tokens``), without the last tokens of
-        its bad words where the text before them is there (``target_service.bad_words``), biased and penalised at each
-        row (``target_service.logit_bias``, ``target_service.penalties``), with what its grammar
-        forbids there masked out (``target_service.grammar``) and then what min_p and typical_p drop
-        (``target_service.min_p``, ``target_service.typical_p``), where it has them; the scores as they
-        are otherwise.
-        Log-probabilities stay the model's own, from the logits before any of these."""
+        (``target_service.allowed_tokens``), without its bad words' last tokens where the rest of
+        them comes before (``target_service.bad_words``), biased and penalised at each row
+        (``target_service.logit_bias``, ``target_service.penalties``), with what its grammar forbids
+        there masked out (``target_service.grammar``) and then what min_p and typical_p drop
+        (``target_service.min_p``, ``target_service.typical_p``), where it has them; the scores as
+        they are otherwise. Log-probabilities stay the model's own, from the logits before any of these."""
         if not session.reshapes_logits:
             return scores
         logits = scores.logits

@@ -26,9 +26,9 @@ from target_service import kv_cache
 from target_service.prefix_cache import MIN_TOKENS, PrefixCache, common_prefix
 
 if TYPE_CHECKING:
-    from target_service.grammar import Constraint
     from target_service.allowed_tokens import AllowedTokens
     from target_service.bad_words import BadWords
+    from target_service.grammar import Constraint
     from target_service.logit_bias import LogitBias
     from target_service.penalties import Penalties
 
