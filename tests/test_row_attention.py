@@ -3,11 +3,16 @@ against plain attention, and a verification pass's rows against one-token steps,
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
+from tandem.quant import native as quant_native
+from tandem.quant.modules import int8_kernel_isa
 from tandem.quant.native import load_row_attention, probe, runs_here
 from target_service import ragged
+from test_quant_model import quantized_gemma  # noqa: F401 (a fixture)
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"this CPU lacks {isa}"))
         for isa in ("avx2", "avx512")]
@@ -80,3 +85,14 @@ def test_a_passes_rows_equal_one_token_steps_bit_for_bit(use_native, tree) -> No
         alone = ragged._rows_alone(query[:, :, row : row + 1].contiguous(), step_keys, step_values, 6, None, kwargs,
                                    native)
         assert torch.equal(alone[0, 0], together[0, row])
+
+
+def test_a_pass_attends_with_its_models_kernel_build_whatever_the_probe_says(monkeypatch, quantized_gemma) -> None:
+    """The native decoder layer is compiled for the model's int8 kernel, so the Python path's row
+    attention must be that build too, not the host's (an AVX-512 host running the avx2int8 kernels
+    summed the two in other vector widths); a model without an int8 kernel takes the host's."""
+    monkeypatch.setattr(quant_native, "probe", lambda: ("the-hosts-build", "forced by the test"))
+    monkeypatch.setattr(ragged, "_ISAS", weakref.WeakKeyDictionary())
+    isa = int8_kernel_isa(quantized_gemma.model)  # None for a float32-activation build
+    wanted = isa if isa in quant_native.ISA_FLAGS else "the-hosts-build"
+    assert ragged._attention_isa(quantized_gemma.model) == wanted
